@@ -1,0 +1,47 @@
+"""The per-rank context a check function receives as its first argument."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+@dataclass
+class RankContext:
+    """Who this rank is and the meshes it has built.
+
+    A check never knows whether ranks are threads or processes; it asks the context for its
+    rank, its device and its meshes. Meshes are cached per rank for the World's lifetime:
+    building one creates process groups, which costs more than most checks.
+    """
+
+    rank: int
+    world_size: int
+    device: torch.device
+    runner: str
+    _meshes: dict[tuple[tuple[int, ...], tuple[str, ...] | None], DeviceMesh] = field(
+        default_factory=dict, repr=False
+    )
+
+    def mesh(self, shape: tuple[int, ...], names: tuple[str, ...] | None = None) -> DeviceMesh:
+        """The device mesh of ``shape`` over all ranks (row-major), built once per World."""
+        shape = tuple(shape)
+        if not shape or math.prod(shape) != self.world_size:
+            raise ValueError(
+                f"shape={shape!r} must be a non-empty mesh shape whose product is the world "
+                f"size {self.world_size}"
+            )
+        if names is not None and len(names) != len(shape):
+            raise ValueError(f"names={names!r} must name each of the {len(shape)} mesh axes")
+        key = (shape, names)
+        if key not in self._meshes:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._meshes[key] = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
+        return self._meshes[key]

@@ -1,0 +1,80 @@
+"""Runners: how ranks are made. Each serves the ``World`` protocol of ``base``."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from harness.runners.base import AllRanksSkipped, RankFailure, RankOutcome, World
+
+RUNNERS = ("threads",)
+DEVICES = ("cpu", "cuda")
+
+__all__ = [
+    "DEVICES",
+    "RUNNERS",
+    "AllRanksSkipped",
+    "RankFailure",
+    "RankOutcome",
+    "World",
+    "WorldCache",
+    "make_world",
+    "open_world",
+]
+
+
+def _validate(runner: str, world_size: int, device: str, timeout: float) -> None:
+    if runner not in RUNNERS:
+        raise ValueError(f"runner={runner!r} must be one of {RUNNERS}")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be a positive int")
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r} must be one of {DEVICES}")
+    if not isinstance(timeout, int | float) or not timeout > 0:
+        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for, but torch.cuda.is_available() is False")
+
+
+def make_world(
+    runner: str, world_size: int, device: str = "cpu", *, timeout: float = 60.0
+) -> World:
+    """A new World; the caller closes it."""
+    _validate(runner, world_size, device, timeout)
+    from harness.runners.threads import ThreadWorld
+
+    return ThreadWorld(world_size, device, timeout=timeout)
+
+
+@contextlib.contextmanager
+def open_world(
+    runner: str = "threads", world_size: int = 2, device: str = "cpu", *, timeout: float = 60.0
+) -> Iterator[World]:
+    """A World for the ``with`` block; ``world.run(fn, *args)`` runs ``fn(ctx, *args)`` per rank."""
+    world = make_world(runner, world_size, device, timeout=timeout)
+    try:
+        yield world
+    finally:
+        world.close()
+
+
+class WorldCache:
+    """Worlds kept for a session, one per runner × world size × device."""
+
+    def __init__(self, *, timeout: float = 60.0) -> None:
+        self.timeout = timeout
+        self._worlds: dict[tuple[str, int, str], World] = {}
+
+    def get(self, runner: str, world_size: int, device: str) -> World:
+        key = (runner, world_size, device)
+        if key not in self._worlds:
+            self._worlds[key] = make_world(runner, world_size, device, timeout=self.timeout)
+        return self._worlds[key]
+
+    def close(self) -> None:
+        worlds, self._worlds = list(self._worlds.values()), {}
+        for world in worlds:
+            world.close()

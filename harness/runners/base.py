@@ -1,0 +1,168 @@
+"""What every runner shares: rank outcomes, how a call's outcomes become a verdict, RankFailure.
+
+A runner executes ``fn(ctx, *args)`` on every rank and hands one ``RankOutcome`` per rank to
+``settle``, which returns the values when every rank succeeded and raises otherwise. Keeping
+the verdict here means both runners agree on what a failure, a skip and a primary rank are.
+"""
+
+from __future__ import annotations
+
+import unittest
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, TypeAlias, TypeVar
+
+import pytest
+
+RankStatus: TypeAlias = Literal["ok", "error", "waiting", "timeout", "skipped", "crashed"]
+T = TypeVar("T")
+
+# Which rank's story explains a failed call: a real error first (the others were only
+# released because of it), then a dead process, a rank stuck outside any collective, a rank
+# that skipped alone, and last a rank that was merely waiting for its peers.
+_PRIMARY_ORDER: tuple[RankStatus, ...] = ("error", "crashed", "timeout", "skipped", "waiting")
+
+
+@dataclass
+class RankOutcome:
+    """What one rank did in one call."""
+
+    rank: int
+    status: RankStatus
+    value: Any = None
+    summary: str = ""
+    """One line: the exception, the skip reason, or where the rank was waiting."""
+    traceback: str = ""
+    """The traceback of an error, or the rank's Python stack when the deadline expired."""
+    exception: BaseException | None = field(default=None, repr=False)
+
+
+def is_skip(exc: BaseException) -> bool:
+    return isinstance(exc, pytest.skip.Exception | unittest.SkipTest)
+
+
+def skip_reason(exc: BaseException) -> str:
+    return str(getattr(exc, "msg", None) or exc)
+
+
+def primary_rank(outcomes: Sequence[RankOutcome]) -> int | None:
+    """The lowest rank with the most telling non-ok status, or None when all are ok."""
+    for status in _PRIMARY_ORDER:
+        ranks = [o.rank for o in outcomes if o.status == status]
+        if ranks:
+            return min(ranks)
+    return None
+
+
+class AllRanksSkipped(pytest.skip.Exception):  # type: ignore[misc,name-defined]
+    """Every rank skipped; ``reasons`` maps each rank to its own reason."""
+
+    def __init__(self, reasons: dict[int, str]) -> None:
+        distinct = sorted(set(reasons.values()))
+        if len(distinct) == 1:
+            message = f"all {len(reasons)} ranks skipped: {distinct[0]}"
+        else:
+            per_rank = "; ".join(f"rank {r}: {why}" for r, why in sorted(reasons.items()))
+            message = f"all {len(reasons)} ranks skipped: {per_rank}"
+        super().__init__(message, pytrace=False)
+        self.reasons = reasons
+
+
+class RankFailure(Exception):
+    """A call failed on at least one rank; carries every rank's outcome.
+
+    ``primary`` is the rank whose failure explains the call (``primary_rank``); ``outcomes``
+    holds every rank's status with its traceback or stack.
+    """
+
+    def __init__(
+        self,
+        outcomes: Sequence[RankOutcome],
+        *,
+        runner: str,
+        device: str,
+        deadline: float | None = None,
+    ) -> None:
+        self.outcomes = tuple(sorted(outcomes, key=lambda o: o.rank))
+        rank = primary_rank(self.outcomes)
+        assert rank is not None, "RankFailure needs at least one rank that did not succeed"
+        self.primary = self.outcomes[rank]
+        self.runner, self.device, self.deadline = runner, device, deadline
+        super().__init__(self.describe())
+
+    @property
+    def world_size(self) -> int:
+        return len(self.outcomes)
+
+    @property
+    def statuses(self) -> dict[int, RankStatus]:
+        return {o.rank: o.status for o in self.outcomes}
+
+    @property
+    def timed_out(self) -> bool:
+        return self.deadline is not None
+
+    def describe(self) -> str:
+        where = f"[{self.runner}, {self.device}, world size {self.world_size}]"
+        p = self.primary
+        if self.timed_out:
+            head = (
+                f"deadline of {self.deadline:g} s expired {where}: rank {p.rank} "
+                f"{'timed out outside any collective' if p.status == 'timeout' else p.status}"
+            )
+        else:
+            head = f"rank {p.rank} of {self.world_size} {_VERB[p.status]} {where}: {p.summary}"
+        lines = [head, *(f"  rank {o.rank}: {o.status}{_detail(o)}" for o in self.outcomes)]
+        if self.timed_out:
+            lines.append("Python stack of every rank at the deadline:")
+            lines += [f"--- rank {o.rank} ({o.status}) ---\n{o.traceback}" for o in self.outcomes]
+        elif p.exception is None and p.traceback:
+            lines.append(f"traceback of rank {p.rank}:\n{p.traceback}")
+        return "\n".join(lines)
+
+
+_VERB: dict[RankStatus, str] = {
+    "ok": "succeeded",
+    "error": "failed",
+    "crashed": "crashed",
+    "timeout": "timed out",
+    "skipped": "skipped alone",
+    "waiting": "was left waiting",
+}
+
+
+def _detail(outcome: RankOutcome) -> str:
+    return f" - {outcome.summary}" if outcome.summary and outcome.status != "ok" else ""
+
+
+def settle(
+    outcomes: Sequence[RankOutcome],
+    *,
+    runner: str,
+    device: str,
+    deadline: float | None = None,
+) -> list[Any]:
+    """The per-rank values in rank order, or the exception that describes the call."""
+    ordered = sorted(outcomes, key=lambda o: o.rank)
+    if all(o.status == "ok" for o in ordered):
+        return [o.value for o in ordered]
+    if all(o.status == "skipped" for o in ordered):
+        raise AllRanksSkipped({o.rank: o.summary for o in ordered})
+    failure = RankFailure(ordered, runner=runner, device=device, deadline=deadline)
+    raise failure from failure.primary.exception
+
+
+class World(Protocol):
+    """N ranks that run the same function; one per runner × world size × device."""
+
+    runner: str
+    world_size: int
+    device: str
+    lacks: frozenset[str]
+    """Operations this runner cannot serve (``reduce_scatter.max``, ``send``, ...)."""
+
+    def run(self, fn: Callable[..., T], *args: Any, timeout: float | None = None) -> list[T]:
+        """Run ``fn(ctx, *args)`` on every rank; return the values in rank order."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,247 @@
+"""Thread runner: N persistent rank threads on torch's threaded process group.
+
+One *generation* is a set of daemon rank threads that initialised the process group once
+and then serve calls from their inboxes. A World keeps its generation across calls and
+replaces it after any call that did not succeed on every rank: a rank that failed or was
+released may have left per-thread state (process groups, meshes, dispatch modes) out of step
+with its peers, and starting a generation costs milliseconds. A rank stuck forever is left
+behind as a daemon thread; its generation's Domain is separate from its successor's, so it
+can never join their collectives.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import HashStore
+
+from harness.context import RankContext
+from harness.runners import _threaded_pg
+from harness.runners.base import RankOutcome, is_skip, settle, skip_reason
+
+T = TypeVar("T")
+RUNNER = "threads"
+_START_TIMEOUT = 60.0
+_STOP = None
+_STOP_GRACE = 5.0
+
+
+class WorldStartError(RuntimeError):
+    """The rank threads could not initialise the process group (an infrastructure error)."""
+
+
+class _Generation:
+    def __init__(self, world_size: int, device: str, number: int) -> None:
+        self.world_size, self.device = world_size, device
+        self.domain = _threaded_pg.Domain(world_size)
+        self.store = HashStore()
+        self.inboxes: list[queue.SimpleQueue[Any]] = [
+            queue.SimpleQueue() for _ in range(world_size)
+        ]
+        self.cond = threading.Condition()
+        self.reports: dict[int, RankOutcome] = {}
+        self.call_id = 0
+        self.stuck: set[int] = set()
+        self.threads = [
+            threading.Thread(
+                target=self._rank_main,
+                args=(rank,),
+                name=f"distconf-g{number}-rank{rank}",
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+
+    def start(self) -> None:
+        for thread in self.threads:
+            thread.start()
+        outcomes, _ = self.collect(time.monotonic() + _START_TIMEOUT)
+        # The new threads may carry idents of exited ones; they have run no DTensor op yet.
+        _threaded_pg.forget_dead_threads()
+        failed = [o for o in outcomes if o.status != "ok"]
+        if failed:
+            self.stop(grace=_STOP_GRACE)
+            detail = "\n".join(f"rank {o.rank}: {o.summary}\n{o.traceback}" for o in failed)
+            raise WorldStartError(f"rank threads failed to start:\n{detail}")
+
+    def submit(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        with self.cond:
+            self.call_id += 1
+            self.reports = {}
+        for inbox in self.inboxes:
+            inbox.put((self.call_id, fn, args))
+
+    def collect(self, deadline: float) -> tuple[list[RankOutcome], bool]:
+        """Every rank's outcome and whether the deadline expired.
+
+        Ranks unreported at the deadline are classified from where they are: waiting in a
+        collective, or stuck elsewhere (``timeout``), each with its Python stack.
+        """
+        with self.cond:
+            self.cond.wait_for(
+                lambda: len(self.reports) == self.world_size,
+                timeout=max(0.0, deadline - time.monotonic()),
+            )
+            reported = dict(self.reports)
+        missing = [r for r in range(self.world_size) if r not in reported]
+        for rank in missing:
+            reported[rank] = self._stuck_outcome(rank)
+            if reported[rank].status == "timeout":
+                self.stuck.add(rank)
+        if missing:
+            self.domain.abort("the call's deadline expired")
+        return [reported[r] for r in range(self.world_size)], bool(missing)
+
+    def stop(self, grace: float) -> None:
+        """Ask every rank to leave; wait up to ``grace`` seconds for those that can.
+
+        Waiting matters at interpreter exit: a daemon thread still inside
+        ``destroy_process_group`` when Python finalises aborts the process.
+        """
+        self.domain.abort("the World was closed")
+        for inbox in self.inboxes:
+            inbox.put(_STOP)
+        deadline = time.monotonic() + grace
+        for rank, thread in enumerate(self.threads):
+            if rank not in self.stuck:
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _stuck_outcome(self, rank: int) -> RankOutcome:
+        frame = sys._current_frames().get(self.threads[rank].ident or -1)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)"
+        where = self.domain.where(rank)
+        if where is not None:
+            return RankOutcome(rank, "waiting", summary=f"waiting in {where}", traceback=stack)
+        return RankOutcome(rank, "timeout", summary="still running", traceback=stack)
+
+    def _report(self, call_id: int, outcome: RankOutcome) -> None:
+        with self.cond:
+            if call_id == self.call_id:
+                self.reports[outcome.rank] = outcome
+                if len(self.reports) == self.world_size:  # wake the driver once, not per rank
+                    self.cond.notify_all()
+
+    def _rank_main(self, rank: int) -> None:
+        _threaded_pg.bind_domain(self.domain)
+        try:
+            ctx = self._init_rank(rank)
+        except BaseException as exc:
+            self._report(0, _error_outcome(rank, exc))
+            return
+        self._report(0, RankOutcome(rank, "ok"))
+        try:
+            while (message := self.inboxes[rank].get()) is not _STOP:
+                call_id, fn, args = message
+                self._report(call_id, self._execute(ctx, fn, args))
+        finally:
+            dist.destroy_process_group()
+
+    def _init_rank(self, rank: int) -> RankContext:
+        dist.init_process_group(
+            _threaded_pg.BACKEND,
+            rank=rank,
+            world_size=self.world_size,
+            store=self.store,
+            timeout=timedelta(seconds=_START_TIMEOUT),
+        )
+        device = torch.device(self.device)
+        if device.type == "cuda":
+            # All rank threads share one GPU, as upstream's FSDPTestMultiThread does.
+            torch.cuda.set_device(0)
+            device = torch.device("cuda", 0)
+        return RankContext(rank=rank, world_size=self.world_size, device=device, runner=RUNNER)
+
+    def _execute(
+        self, ctx: RankContext, fn: Callable[..., Any], args: tuple[Any, ...]
+    ) -> RankOutcome:
+        rank = ctx.rank
+        try:
+            return RankOutcome(rank, "ok", value=fn(ctx, *args))
+        except _threaded_pg.CollectiveAborted as exc:
+            return RankOutcome(rank, "waiting", summary=str(exc), exception=None)
+        except BaseException as exc:
+            if is_skip(exc):
+                # A skip leaves the peers to go on alone: release any that wait for us.
+                self.domain.abort(f"rank {rank} skipped")
+                return RankOutcome(rank, "skipped", summary=skip_reason(exc), exception=exc)
+            self.domain.abort(f"rank {rank} raised {type(exc).__name__}")
+            return _error_outcome(rank, exc)
+
+
+def _error_outcome(rank: int, exc: BaseException) -> RankOutcome:
+    return RankOutcome(
+        rank,
+        "error",
+        summary=f"{type(exc).__name__}: {exc}".strip(),
+        traceback="".join(traceback.format_exception(exc)),
+        exception=exc,
+    )
+
+
+class ThreadWorld:
+    """A persistent World of ``world_size`` rank threads (see the module docstring)."""
+
+    runner = RUNNER
+    lacks = _threaded_pg.UNSUPPORTED
+    _numbers = itertools.count()
+
+    def __init__(self, world_size: int, device: str = "cpu", *, timeout: float = 60.0) -> None:
+        _threaded_pg.install()
+        self.world_size, self.device, self.timeout = world_size, device, timeout
+        self.calls = 0
+        self.generations = 0
+        self._generation: _Generation | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"ThreadWorld(world_size={self.world_size}, device={self.device!r})"
+
+    def run(self, fn: Callable[..., T], *args: Any, timeout: float | None = None) -> list[T]:
+        """Run ``fn(ctx, *args)`` on every rank; the values in rank order, or ``RankFailure``."""
+        limit = self.timeout if timeout is None else timeout
+        if not limit > 0:
+            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
+        if threading.current_thread().name.startswith("distconf-g"):
+            raise RuntimeError("world.run was called from a rank thread; call it from the driver")
+        with self._lock:
+            generation = self._ensure_generation()
+            self.calls += 1
+            deadline = time.monotonic() + limit
+            generation.submit(fn, args)
+            try:
+                outcomes, timed_out = generation.collect(deadline)
+            except BaseException:
+                self._retire()  # interrupted (Ctrl-C): never leave ranks mid-call
+                raise
+            if any(o.status != "ok" for o in outcomes):
+                self._retire()
+        return settle(
+            outcomes, runner=RUNNER, device=self.device, deadline=limit if timed_out else None
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            self._retire()
+
+    def _ensure_generation(self) -> _Generation:
+        if self._generation is None:
+            generation = _Generation(self.world_size, self.device, next(self._numbers))
+            generation.start()
+            self._generation = generation
+            self.generations += 1
+        return self._generation
+
+    def _retire(self) -> None:
+        if self._generation is not None:
+            self._generation.stop(grace=_STOP_GRACE)
+            self._generation = None
