@@ -1,0 +1,145 @@
+"""Comparisons that say what differs: "got X, should be Y [call]", with error metrics.
+
+Exact comparisons are for data movement (placements, chunks), where any difference is a bug.
+``assert_close`` is for arithmetic done in a different order (sharded training against one
+device); every caller states its tolerances and why they are not zero.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+_EPS = {"float64": 2.0**-52, "float32": 2.0**-23, "bfloat16": 2.0**-7, "int64": 1.0}
+
+
+@dataclass(frozen=True)
+class ErrorMetrics:
+    """How far ``actual`` is from ``expected``: absolute, relative, and in ulps."""
+
+    max_abs: float
+    max_rel: float
+    max_ulp: float
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def error_metrics(actual: np.ndarray, expected: np.ndarray, dtype: str) -> ErrorMetrics:
+    if actual.size == 0:
+        return ErrorMetrics(0.0, 0.0, 0.0)
+    a, e = actual.astype(np.float64), expected.astype(np.float64)
+    diff = np.abs(a - e)
+    scale = np.abs(e)
+    rel = np.divide(diff, scale, out=np.where(diff > 0, np.inf, 0.0), where=scale > 0)
+    # One ulp of ``dtype`` at the magnitude of the expected value (2**exponent * eps).
+    exponent = np.floor(np.log2(np.maximum(scale, np.finfo(np.float64).tiny)))
+    ulp = np.power(2.0, exponent) * _EPS.get(dtype, _EPS["float32"])
+    return ErrorMetrics(float(diff.max()), float(rel.max()), float((diff / ulp).max()))
+
+
+def _first_mismatch(actual: np.ndarray, expected: np.ndarray) -> tuple[int, ...]:
+    differs = ~((actual == expected) | (np.isnan(actual) & np.isnan(expected)))
+    return tuple(int(i) for i in np.argwhere(differs)[0])
+
+
+def _tag(call: str) -> str:
+    return f" [{call}]" if call else ""
+
+
+def assert_equal_values(actual: Any, expected: Any, *, what: str, call: str = "") -> None:
+    """Plain values (shapes, placements, dtypes): got X, should be Y."""
+    if actual != expected:
+        raise AssertionError(f"{what}: got {actual!r}, should be {expected!r}{_tag(call)}")
+
+
+def assert_array_equal(
+    actual: np.ndarray, expected: np.ndarray, *, what: str, call: str = ""
+) -> None:
+    """Same shape and bit-for-bit the same values (NaN equals NaN)."""
+    assert_equal_values(
+        tuple(actual.shape), tuple(expected.shape), what=f"shape of {what}", call=call
+    )
+    if actual.size == 0:
+        return
+    a, e = actual.astype(np.float64), expected.astype(np.float64)
+    if np.array_equal(a, e, equal_nan=True):
+        return
+    index = _first_mismatch(a, e)
+    count = int((~((a == e) | (np.isnan(a) & np.isnan(e)))).sum())
+    raise AssertionError(
+        f"{what}: got {a[index].item()!r} at index {index}, should be {e[index].item()!r} "
+        f"({count} of {a.size} elements differ){_tag(call)}"
+    )
+
+
+def assert_close(
+    actual: np.ndarray,
+    expected: np.ndarray,
+    *,
+    rtol: float,
+    atol: float,
+    dtype: str,
+    what: str,
+    why: str,
+    call: str = "",
+) -> ErrorMetrics:
+    """``|actual - expected| <= atol + rtol * |expected|`` elementwise; returns the metrics.
+
+    ``why`` says why the tolerance is not zero; it is part of the failure message.
+    """
+    if not (math.isfinite(rtol) and math.isfinite(atol) and rtol >= 0 and atol >= 0):
+        raise ValueError(f"rtol={rtol!r} and atol={atol!r} must be finite and >= 0")
+    assert_equal_values(
+        tuple(actual.shape), tuple(expected.shape), what=f"shape of {what}", call=call
+    )
+    metrics = error_metrics(actual, expected, dtype)
+    a, e = actual.astype(np.float64), expected.astype(np.float64)
+    bad = np.abs(a - e) > atol + rtol * np.abs(e)
+    if bad.any():
+        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise AssertionError(
+            f"{what}: got {a[index].item()!r} at index {index}, "
+            f"should be {e[index].item()!r} within "
+            f"atol={atol:g} + rtol={rtol:g} ({why}); {int(bad.sum())} of {a.size} elements "
+            f"outside; max abs {metrics.max_abs:.3g}, max rel {metrics.max_rel:.3g}, "
+            f"max ulp {metrics.max_ulp:.3g}{_tag(call)}"
+        )
+    return metrics
+
+
+@dataclass
+class ParityLog:
+    """Error metrics recorded during one test; keeps the worst value of each per name."""
+
+    metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def add(self, name: str, metrics: ErrorMetrics) -> None:
+        worst = self.metrics.setdefault(name, {})
+        for key, value in metrics.as_dict().items():
+            worst[key] = max(worst.get(key, -math.inf), value)
+
+
+_active: ParityLog | None = None
+
+
+@contextlib.contextmanager
+def collecting() -> Iterator[ParityLog]:
+    """Collect what ``record`` is given while the block runs (the plugin wraps each test)."""
+    global _active
+    previous, _active = _active, ParityLog()
+    try:
+        yield _active
+    finally:
+        _active = previous
+
+
+def record(name: str, metrics: ErrorMetrics) -> None:
+    """Keep ``metrics`` for the report under ``name``; a no-op outside ``collecting``."""
+    if _active is not None:
+        _active.add(name, metrics)
