@@ -1,0 +1,1 @@
+"""The distconf conformance suites: one file per area, every test marked with its spec ID."""

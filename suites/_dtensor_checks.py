@@ -1,0 +1,135 @@
+"""Rank functions and driver-side comparisons shared by the DTensor suites.
+
+Rank functions (``*_on_rank``) take the rank context and a case and return plain views;
+comparisons run in the driver against the numpy model, so a mismatch is reported once, with
+the rank and mesh coordinate that differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from harness.cases import DistributeCase, RedistributeCase
+from harness.context import RankContext
+from harness.dtensor import DTensorView, tensor_from, to_torch_placements, view_of
+from harness.parity import assert_array_equal, assert_equal_values
+from specs.placements import (
+    Partial,
+    Placement,
+    assemble,
+    contiguous_stride,
+    coord_of_rank,
+    local_arrays,
+    normalize,
+)
+
+
+def distribute_on_rank(ctx: RankContext, case: DistributeCase) -> DTensorView:
+    mesh = ctx.mesh(case.mesh_shape)
+    tensor = tensor_from(case.global_array(), case.dtype, ctx.device)
+    return view_of(distribute_tensor(tensor, mesh, to_torch_placements(case.placements)), ctx.rank)
+
+
+def redistribute_on_rank(ctx: RankContext, case: RedistributeCase) -> DTensorView:
+    """Build the source from the model's locals (distinct Partial contributions), redistribute."""
+    mesh = ctx.mesh(case.mesh_shape)
+    global_array = case.global_array()
+    coord = coord_of_rank(case.mesh_shape, ctx.rank)
+    local = local_arrays(
+        global_array, case.mesh_shape, case.src, partial="distinct", seed=case.seed
+    )
+    source = DTensor.from_local(
+        tensor_from(local[coord], case.dtype, ctx.device),
+        mesh,
+        to_torch_placements(case.src),
+        shape=torch.Size(global_array.shape),
+        stride=contiguous_stride(global_array.shape),
+    )
+    return view_of(source.redistribute(mesh, to_torch_placements(case.dst)), ctx.rank)
+
+
+def redistribute_error_on_rank(ctx: RankContext, case: RedistributeCase) -> str | None:
+    """The message of the RuntimeError redistribute raises, or None if it returned."""
+    mesh = ctx.mesh(case.mesh_shape)
+    global_array = case.global_array()
+    local = local_arrays(global_array, case.mesh_shape, case.src)[
+        coord_of_rank(case.mesh_shape, ctx.rank)
+    ]
+    source = DTensor.from_local(
+        tensor_from(local, case.dtype, ctx.device),
+        mesh,
+        to_torch_placements(case.src),
+        shape=torch.Size(global_array.shape),
+        stride=contiguous_stride(global_array.shape),
+    )
+    try:
+        source.redistribute(mesh, to_torch_placements(case.dst))
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def assert_layout(
+    views: Sequence[DTensorView],
+    *,
+    mesh_shape: tuple[int, ...],
+    placements: tuple[Placement, ...],
+    global_array: np.ndarray,
+    dtype: str,
+    call: str,
+    partial_values_known: bool,
+) -> None:
+    """Every rank holds what the model says a DTensor laid out by ``placements`` holds.
+
+    Local values are compared exactly unless a ``Partial`` axis holds contributions the
+    model cannot predict (``partial_values_known=False``); then the contributions must still
+    have the model's shapes and reduce to the global value.
+    """
+    expected = local_arrays(global_array, mesh_shape, placements)
+    has_partial = any(isinstance(p, Partial) for p in placements)
+    assert_equal_values(len(views), len(expected), what="number of ranks reporting", call=call)
+    for rank, view in enumerate(views):
+        coord = coord_of_rank(mesh_shape, rank)
+        who = f"rank {rank} (mesh coord {coord})"
+        assert_equal_values(view.coord, coord, what=f"mesh coordinate of rank {rank}", call=call)
+        assert_equal_values(
+            view.shape, global_array.shape, what=f"global shape on {who}", call=call
+        )
+        assert_equal_values(
+            view.stride,
+            contiguous_stride(global_array.shape),
+            what=f"global stride on {who}",
+            call=call,
+        )
+        assert_equal_values(
+            view.placements,
+            normalize(placements, global_array.ndim),
+            what=f"placements on {who}",
+            call=call,
+        )
+        assert_equal_values(
+            (view.dtype, view.local_dtype),
+            (dtype, dtype),
+            what=f"(dtype, local dtype) on {who}",
+            call=call,
+        )
+        if partial_values_known or not has_partial:
+            assert_array_equal(view.local, expected[coord], what=f"to_local() on {who}", call=call)
+        else:
+            assert_equal_values(
+                view.local.shape,
+                expected[coord].shape,
+                what=f"to_local() shape on {who}",
+                call=call,
+            )
+        assert view.full is not None, "views are taken with full_tensor()"
+        assert_array_equal(view.full, global_array, what=f"full_tensor() on {who}", call=call)
+    if has_partial:
+        reduced = assemble({v.coord: v.local for v in views}, mesh_shape, placements)
+        assert_array_equal(
+            reduced, global_array, what="global value the local arrays reduce to", call=call
+        )

@@ -1,0 +1,130 @@
+"""Placements: distribute_tensor and redistribute against the numpy placement model."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harness import World
+from harness.strategies import (
+    distribute_cases,
+    extremum_to_shard_cases,
+    partial_sum_integer_cases,
+    partial_target_cases,
+    redistribute_cases,
+)
+from specs.placements import REDUCE_OPS
+from suites._dtensor_checks import (
+    assert_layout,
+    distribute_on_rank,
+    redistribute_error_on_rank,
+    redistribute_on_rank,
+)
+
+# World.run enforces its own deadline; hypothesis' per-example deadline would misfire on
+# the first example of a World (process-group and mesh creation).
+PROPERTY = settings(deadline=None)
+
+
+@pytest.mark.spec("placements.distribute.roundtrip")
+@PROPERTY
+@given(data=st.data())
+def test_distribute_tensor_matches_model(world: World, data: st.DataObject) -> None:
+    case = data.draw(distribute_cases(world.world_size), label="case")
+    global_array = case.global_array()
+    views = world.run(distribute_on_rank, case)
+    assert_layout(
+        views,
+        mesh_shape=case.mesh_shape,
+        placements=case.placements,
+        global_array=global_array,
+        dtype=case.dtype,
+        call=case.call(),
+        partial_values_known=True,  # distribute_tensor divides a sum evenly, copies the rest
+    )
+
+
+@pytest.mark.spec("placements.distribute.partial_sum_keeps_dtype")
+@pytest.mark.xfail(
+    strict=True,
+    reason="torch 2.13: distribute_tensor divides an int64 tensor by the axis size for "
+    "Partial('sum') and returns a float32 DTensor",
+)
+@PROPERTY
+@given(data=st.data())
+def test_distribute_partial_sum_keeps_integer_dtype(world: World, data: st.DataObject) -> None:
+    case = data.draw(partial_sum_integer_cases(world.world_size), label="case")
+    global_array = case.global_array()
+    views = world.run(distribute_on_rank, case)
+    assert_layout(
+        views,
+        mesh_shape=case.mesh_shape,
+        placements=case.placements,
+        global_array=global_array,
+        dtype=case.dtype,
+        call=case.call(),
+        partial_values_known=False,  # how an integer sum is split is not specified
+    )
+
+
+def _shardable_ops(world: World) -> frozenset[str]:
+    """The Partial ops that may become Shard: a reduce-scatter with that op on this runner."""
+    return frozenset(op for op in REDUCE_OPS if f"reduce_scatter.{op}" not in world.lacks)
+
+
+@pytest.mark.spec("placements.redistribute.roundtrip")
+@PROPERTY
+@given(data=st.data())
+def test_redistribute_preserves_global_value(world: World, data: st.DataObject) -> None:
+    case = data.draw(
+        redistribute_cases(world.world_size, shardable_ops=_shardable_ops(world)),
+        label="case",
+    )
+    global_array = case.global_array()
+    views = world.run(redistribute_on_rank, case)
+    assert_layout(
+        views,
+        mesh_shape=case.mesh_shape,
+        placements=case.dst,
+        global_array=global_array,
+        dtype=case.dtype,
+        call=case.call(),
+        partial_values_known=False,  # kept Partial axes hold source contributions, regrouped
+    )
+
+
+@pytest.mark.spec("placements.redistribute.roundtrip")
+@PROPERTY
+@given(data=st.data())
+def test_redistribute_partial_extremum_to_shard(world: World, data: st.DataObject) -> None:
+    lacking = sorted(op for op in ("reduce_scatter.max", "reduce_scatter.min") if op in world.lacks)
+    if lacking:
+        pytest.skip(
+            f"{world.runner} runner cannot serve {', '.join(lacking)} (Partial max/min -> Shard)"
+        )
+    case = data.draw(extremum_to_shard_cases(world.world_size), label="case")
+    views = world.run(redistribute_on_rank, case)
+    assert_layout(
+        views,
+        mesh_shape=case.mesh_shape,
+        placements=case.dst,
+        global_array=case.global_array(),
+        dtype=case.dtype,
+        call=case.call(),
+        partial_values_known=False,
+    )
+
+
+@pytest.mark.spec("placements.redistribute.partial_target_rejected")
+@PROPERTY
+@given(data=st.data())
+def test_redistribute_into_new_partial_is_rejected(world: World, data: st.DataObject) -> None:
+    case = data.draw(partial_target_cases(world.world_size), label="case")
+    messages = world.run(redistribute_error_on_rank, case)
+    for rank, message in enumerate(messages):
+        if message is None or "redistributing to Partial is for internal use only" not in message:
+            raise AssertionError(
+                f"rank {rank}: got {message!r}, should be a RuntimeError saying "
+                f"'redistributing to Partial is for internal use only' [{case.call()}]"
+            )

@@ -1,0 +1,222 @@
+"""Uneven chunks: torch.chunk semantics for shards, no padding leaks, fully_shard on dims the
+world size does not divide (or exceeds)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+from harness import World, parity
+from harness.cases import MLPCase
+from harness.context import RankContext
+from harness.dtensor import DTensorView, tensor_from, to_numpy, view_of
+from harness.models import build_mlp, global_batch
+from harness.parity import assert_array_equal, assert_close, assert_equal_values
+from harness.strategies import mlp_cases, uneven_redistribute_cases, uneven_shard_cases
+from specs.placements import Shard, local_arrays
+from suites._dtensor_checks import assert_layout, distribute_on_rank, redistribute_on_rank
+
+# World.run enforces its own deadline; hypothesis' per-example deadline would misfire on
+# the first example of a World (process-group and mesh creation).
+PROPERTY = settings(deadline=None)
+
+# Sharded training sums the per-rank gradients of per-rank mean losses and divides by the
+# world size; the reference takes one mean over the global batch. Same terms, different
+# order of floating-point additions: a few ulps apart, far below any real defect (a wrong
+# scale or a missing shard moves values by whole percent).
+TOLERANCE = {"float64": (1e-10, 1e-12), "float32": (1e-4, 1e-6)}  # (rtol, atol)
+REASON = "per-rank mean losses are averaged in another order than the global mean"
+
+
+@pytest.mark.spec("uneven.shard.torch_chunk")
+@PROPERTY
+@given(data=st.data())
+def test_shard_gives_torch_chunk_pieces(world: World, data: st.DataObject) -> None:
+    case = data.draw(uneven_shard_cases(world.world_size), label="case")
+    global_array = case.global_array()
+    views = world.run(distribute_on_rank, case)
+    assert_layout(
+        views,
+        mesh_shape=case.mesh_shape,
+        placements=case.placements,
+        global_array=global_array,
+        dtype=case.dtype,
+        call=case.call(),
+        partial_values_known=True,
+    )
+
+
+@pytest.mark.spec("uneven.redistribute.no_padding")
+@PROPERTY
+@given(data=st.data())
+def test_redistribute_uneven_shards_leaks_no_padding(world: World, data: st.DataObject) -> None:
+    case = data.draw(uneven_redistribute_cases(world.world_size), label="case")
+    global_array = case.global_array()
+    views = world.run(redistribute_on_rank, case)
+    assert_layout(
+        views,
+        mesh_shape=case.mesh_shape,
+        placements=case.dst,
+        global_array=global_array,
+        dtype=case.dtype,
+        call=case.call(),
+        partial_values_known=True,
+    )
+
+
+# --- fully_shard on uneven MLPs ------------------------------------------------------------
+
+
+def _shard(model: nn.Sequential, case: MLPCase, ctx: RankContext) -> None:
+    mesh = ctx.mesh((ctx.world_size,))
+    if case.shard_layers:
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def _local_batch(case: MLPCase, ctx: RankContext) -> tuple[torch.Tensor, torch.Tensor]:
+    inputs, targets = global_batch(case, ctx.world_size)
+    rows = slice(ctx.rank * case.batch_per_rank, (ctx.rank + 1) * case.batch_per_rank)
+    return tensor_from(inputs[rows], case.dtype, ctx.device), tensor_from(
+        targets[rows], case.dtype, ctx.device
+    )
+
+
+def train_on_rank(ctx: RankContext, case: MLPCase, stage: str) -> dict[str, Any]:
+    """Shard the MLP, then stop at ``stage``: 'params', 'grads' or 'step' (one SGD step)."""
+    model = build_mlp(case, ctx.device)
+    _shard(model, case, ctx)
+    if stage == "params":
+        return {name: view_of(p, ctx.rank) for name, p in model.named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=case.lr, momentum=case.momentum)
+    inputs, targets = _local_batch(case, ctx)
+    F.mse_loss(model(inputs), targets).backward()
+    if stage == "grads":
+        return {name: view_of(p.grad, ctx.rank) for name, p in model.named_parameters()}
+    optimizer.step()
+    return {
+        name: (view_of(p, ctx.rank), _momentum_shape(optimizer, p))
+        for name, p in model.named_parameters()
+    }
+
+
+def _momentum_shape(
+    optimizer: torch.optim.Optimizer, param: torch.Tensor
+) -> tuple[int, ...] | None:
+    buffer = optimizer.state.get(param, {}).get("momentum_buffer")
+    return None if buffer is None else tuple(buffer.to_local().shape)
+
+
+def reference_step(case: MLPCase, world_size: int, device: str) -> dict[str, dict[str, np.ndarray]]:
+    """The same model, batch and optimizer on one device: params before, grads, params after."""
+    model = build_mlp(case, torch.device(device))
+    before = {name: to_numpy(p) for name, p in model.named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=case.lr, momentum=case.momentum)
+    inputs, targets = global_batch(case, world_size)
+    dev = torch.device(device)
+    F.mse_loss(
+        model(tensor_from(inputs, case.dtype, dev)), tensor_from(targets, case.dtype, dev)
+    ).backward()
+    grads = {name: to_numpy(p.grad) for name, p in model.named_parameters() if p.grad is not None}
+    optimizer.step()
+    after = {name: to_numpy(p) for name, p in model.named_parameters()}
+    return {"params": before, "grads": grads, "after": after}
+
+
+def _assert_sharded_like(
+    view: DTensorView, full: np.ndarray, world_size: int, what: str, call: str
+) -> None:
+    piece = local_arrays(full, (world_size,), (Shard(0),))[(view.rank,)]
+    assert_equal_values(view.placements, (Shard(0),), what=f"placements of {what}", call=call)
+    assert_equal_values(view.shape, full.shape, what=f"global shape of {what}", call=call)
+    assert_equal_values(view.local.shape, piece.shape, what=f"local shape of {what}", call=call)
+
+
+@pytest.mark.spec("uneven.fully_shard.params")
+@PROPERTY
+@given(data=st.data())
+def test_fully_shard_params_are_torch_chunk_pieces(world: World, data: st.DataObject) -> None:
+    case = data.draw(mlp_cases(world.world_size), label="case")
+    reference = reference_step(case, world.world_size, world.device)["params"]
+    per_rank = world.run(train_on_rank, case, "params")
+    for rank, views in enumerate(per_rank):
+        assert_equal_values(
+            sorted(views), sorted(reference), what=f"parameter names on rank {rank}"
+        )
+        for name, view in views.items():
+            what = f"{name} on rank {rank}"
+            _assert_sharded_like(view, reference[name], world.world_size, what, case.call())
+            strides = tuple(torch.empty(reference[name].shape).stride())
+            assert_equal_values(
+                view.stride, strides, what=f"global stride of {what}", call=case.call()
+            )
+            piece = local_arrays(reference[name], (world.world_size,), (Shard(0),))[(rank,)]
+            assert_array_equal(view.local, piece, what=f"local shard of {what}", call=case.call())
+
+
+@pytest.mark.spec("uneven.fully_shard.grads")
+@PROPERTY
+@given(data=st.data())
+def test_fully_shard_grads_match_one_device(world: World, data: st.DataObject) -> None:
+    case = data.draw(mlp_cases(world.world_size), label="case")
+    reference = reference_step(case, world.world_size, world.device)["grads"]
+    rtol, atol = TOLERANCE[case.dtype]
+    per_rank = world.run(train_on_rank, case, "grads")
+    for rank, views in enumerate(per_rank):
+        for name, view in views.items():
+            what = f"grad of {name} on rank {rank}"
+            _assert_sharded_like(view, reference[name], world.world_size, what, case.call())
+            assert view.full is not None
+            metrics = assert_close(
+                view.full,
+                reference[name],
+                rtol=rtol,
+                atol=atol,
+                dtype=case.dtype,
+                what=what,
+                why=REASON,
+                call=case.call(),
+            )
+            parity.record(f"grad/{case.dtype}", metrics)
+
+
+@pytest.mark.spec("uneven.fully_shard.step_parity")
+@PROPERTY
+@given(data=st.data())
+def test_fully_shard_sgd_step_matches_one_device(world: World, data: st.DataObject) -> None:
+    case = data.draw(mlp_cases(world.world_size), label="case")
+    reference = reference_step(case, world.world_size, world.device)["after"]
+    rtol, atol = TOLERANCE[case.dtype]
+    per_rank = world.run(train_on_rank, case, "step")
+    for rank, results in enumerate(per_rank):
+        for name, (view, momentum_shape) in results.items():
+            what = f"{name} after one step on rank {rank}"
+            assert view.full is not None
+            metrics = assert_close(
+                view.full,
+                reference[name],
+                rtol=rtol,
+                atol=atol,
+                dtype=case.dtype,
+                what=what,
+                why=REASON,
+                call=case.call(),
+            )
+            parity.record(f"param/{case.dtype}", metrics)
+            expected_state = tuple(view.local.shape) if case.momentum else None
+            assert_equal_values(
+                momentum_shape,
+                expected_state,
+                what=f"momentum buffer shape of {name} on rank {rank}",
+                call=case.call(),
+            )
