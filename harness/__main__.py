@@ -1,0 +1,172 @@
+"""The distconf command line: ``python -m harness run | list``.
+
+``run`` drives the suites through pytest with the distconf plugin and summarises the results
+file it wrote; ``list`` prints the spec catalogue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from harness import catalogue
+from harness.results import UNEXPECTED, read_results
+from harness.runners import DEVICES, RUNNERS
+
+PROFILES = ("dev", "ci", "nightly")
+
+
+def _suite_files(names: list[str]) -> list[Path]:
+    available = sorted(
+        p.stem.removeprefix("test_") for p in catalogue.DEFAULT_SUITES.glob("test_*.py")
+    )
+    if not names:
+        return [catalogue.DEFAULT_SUITES]
+    unknown = [n for n in names if n not in available]
+    if unknown:
+        raise SystemExit(
+            f"error: --suite={','.join(unknown)!r} is not a suite; choose from {available}"
+        )
+    return [catalogue.DEFAULT_SUITES / f"test_{name}.py" for name in names]
+
+
+def _split(values: list[str]) -> list[str]:
+    return [part for value in values for part in value.split(",") if part]
+
+
+def _run(args: argparse.Namespace) -> int:
+    import pytest
+
+    out = Path(args.out)
+    results = out / "results.jsonl"
+    pytest_args = [
+        *map(str, _suite_files(_split(args.suite))),
+        "-p",
+        "harness.plugin",
+        f"--runner={args.runner}",
+        f"--world-sizes={args.world_sizes}",
+        f"--device={args.device}",
+        f"--rank-timeout={args.rank_timeout}",
+        f"--hypothesis-profile={args.profile}",
+        f"--distconf-results={results}",
+        "-p",
+        "no:cacheprovider",
+        # harness is imported before pytest starts; its modules need no assertion rewriting.
+        "-W",
+        "ignore::pytest.PytestAssertRewriteWarning",
+        "-q",
+        *(["--hypothesis-seed", str(args.seed)] if args.seed is not None else []),
+        *args.pytest_args,
+    ]
+    exit_code = int(pytest.main(pytest_args))
+    if not results.exists():
+        print(
+            f"error: no results were written to {results} (pytest exit code {exit_code})",
+            file=sys.stderr,
+        )
+        return exit_code or 3
+    unexpected = summarise(results)
+    if exit_code == 0 and unexpected:
+        return 1
+    return exit_code
+
+
+def summarise(path: Path) -> int:
+    """Print a row per spec (status per world size); return the number of unexpected outcomes."""
+    results = read_results(path)
+    rows: dict[str, dict[Any, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for record in results.tests:
+        rows[record.get("spec") or "(no spec)"][record.get("world_size")].append(record)
+    sizes = sorted({r.get("world_size") for r in results.tests}, key=lambda s: (s is None, s))
+    print(f"\ndistconf results: {path}")
+    header = (
+        f"{'spec':<48}"
+        + "".join(f"{'ws' + str(s):>16}" for s in sizes)
+        + f"{'examples':>10}{'seconds':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    unexpected = 0
+    for spec in sorted(rows):
+        cells, examples, seconds = [], 0, 0.0
+        for size in sizes:
+            records = rows[spec].get(size, [])
+            statuses = sorted({r["status"] for r in records}, key=lambda s: s not in UNEXPECTED)
+            unexpected += sum(r["status"] in UNEXPECTED for r in records)
+            examples += sum(r.get("examples") or 0 for r in records)
+            seconds += sum(r.get("duration") or 0.0 for r in records)
+            cells.append("+".join(statuses) or "-")
+        print(f"{spec:<48}" + "".join(f"{c:>16}" for c in cells) + f"{examples:>10}{seconds:>9.1f}")
+    if results.bad_lines:
+        print(f"warning: unreadable lines in {path}: {results.bad_lines}")
+    if results.end is None:
+        print("warning: the run did not finish (no end record): results are partial")
+    print(f"{unexpected} unexpected outcome(s)")
+    return unexpected
+
+
+def _list(args: argparse.Namespace) -> int:
+    specs = catalogue.load(Path(args.catalogue) if args.catalogue else catalogue.DEFAULT_PATH)
+    by_area: dict[str, list[catalogue.Spec]] = defaultdict(list)
+    for spec in specs.values():
+        by_area[spec.area].append(spec)
+    for area, entries in by_area.items():
+        print(f"{area}")
+        for spec in entries:
+            print(f"  {spec.id}  [{spec.status}, suite {spec.suite}]")
+            print(f"      {spec.statement}")
+            print(f"      from: {spec.provenance}")
+    print(f"{len(specs)} specs in {len(by_area)} areas")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from harness import bench
+
+    return bench.main(args.world_size, args.examples, args.calls, args.runner, args.json)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m harness", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run the conformance suites")
+    run.add_argument(
+        "--suite", action="append", default=[], help="suite name (repeatable or comma-separated)"
+    )
+    run.add_argument("--runner", choices=RUNNERS, default="threads")
+    run.add_argument("--world-sizes", default="1,2,3,4", help="comma-separated (default: 1,2,3,4)")
+    run.add_argument("--device", choices=DEVICES, default="cpu")
+    run.add_argument(
+        "--profile", choices=PROFILES, default="ci", help="hypothesis profile (default: ci)"
+    )
+    run.add_argument("--seed", type=int, default=None, help="hypothesis seed for a random profile")
+    run.add_argument("--rank-timeout", type=float, default=60.0, help="seconds per world.run call")
+    run.add_argument("--out", default=os.path.join("reports", "latest"), help="output directory")
+    run.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
+    run.set_defaults(handler=_run)
+    listing = commands.add_parser("list", help="print the spec catalogue")
+    listing.add_argument(
+        "--catalogue", default=None, help="catalogue file (default: the packaged one)"
+    )
+    listing.set_defaults(handler=_list)
+    bench = commands.add_parser("bench", help="print examples/s of the placement properties")
+    bench.add_argument("--runner", choices=RUNNERS, default="threads")
+    bench.add_argument("--world-size", type=int, default=4)
+    bench.add_argument("--examples", type=int, default=300, help="examples per property")
+    bench.add_argument("--calls", type=int, default=2000, help="trivial world.run calls to time")
+    bench.add_argument("--json", action="store_true", help="print one JSON object")
+    bench.set_defaults(handler=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    return int(args.handler(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Turn pytest's per-phase reports of one test into the fields of a results record."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from harness.runners.base import RankFailure
+
+_Phase = tuple[pytest.TestReport, "pytest.ExceptionInfo[BaseException] | None"]
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr)
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
+
+
+def _falsifying_example(exc: BaseException) -> str | None:
+    notes = [n for leaf in [exc, *_leaves(exc)] for n in getattr(leaf, "__notes__", [])]
+    return "\n".join(dict.fromkeys(notes)) or None
+
+
+def _failure_fields(report: pytest.TestReport, exc: BaseException | None) -> dict[str, Any]:
+    fields: dict[str, Any] = {"traceback": report.longreprtext or None}
+    if exc is None:
+        return fields
+    fields["falsifying_example"] = _falsifying_example(exc)
+    failure = next((e for e in _leaves(exc) if isinstance(e, RankFailure)), None)
+    if failure is None:
+        fields["error"] = f"{type(exc).__name__}: {exc}"
+        return fields
+    fields["error"] = failure.describe()
+    fields["primary_rank"] = failure.primary.rank
+    fields["rank_statuses"] = failure.statuses
+    if failure.timed_out:
+        fields["status"] = "timeout"
+    elif failure.primary.status == "crashed":
+        fields["status"] = "crashed"
+    return fields
+
+
+def describe_outcome(phases: dict[str, _Phase]) -> dict[str, Any]:
+    """``status`` and the details that explain it, from the setup/call/teardown reports."""
+    for when in ("setup", "call", "teardown"):
+        if when not in phases:
+            continue
+        report, excinfo = phases[when]
+        xfail = getattr(report, "wasxfail", None)
+        if report.skipped:
+            if xfail is not None:
+                return {"status": "xfailed", "skip_reason": xfail or None}
+            return {"status": "skipped", "skip_reason": _skip_reason(report)}
+        if report.failed:
+            status = "xpassed" if xfail is not None else "failed" if when == "call" else "error"
+            exc = excinfo.value if excinfo is not None else None
+            return {"status": status, **_failure_fields(report, exc)}
+        if when == "call" and xfail is not None:
+            return {"status": "xpassed", "skip_reason": xfail or None}
+    return {"status": "passed"}

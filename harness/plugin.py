@@ -1,0 +1,342 @@
+"""The distconf pytest plugin (thin): options, markers, the ``world`` fixture, spec checks,
+results recording.
+
+Registered through the ``pytest11`` entry point. It imports no torch at import time: torch
+is imported when the first World is built. Everything here is inert for tests that neither
+live under the suites directory nor ask for the ``world`` fixture.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+from hypothesis import settings
+
+from harness import catalogue, parity
+from harness.results import ResultsWriter, TestRecord, environment_stamp
+from harness.runners import DEVICES, RUNNERS
+
+DEFAULT_WORLD_SIZES = (1, 2, 3, 4)
+
+settings.register_profile("dev", max_examples=10, deadline=None)
+settings.register_profile(
+    "ci", max_examples=25, derandomize=True, database=None, deadline=None, print_blob=True
+)
+settings.register_profile("nightly", max_examples=1000, deadline=None)
+
+
+class WorldKey(NamedTuple):
+    runner: str
+    world_size: int
+    device: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.runner}-ws{self.world_size}-{self.device}"
+
+
+_worlds_key = pytest.StashKey[Any]()
+_writer_key = pytest.StashKey[ResultsWriter | None]()
+_phases_key = pytest.StashKey[dict[str, Any]]()
+_examples_key = pytest.StashKey[int]()
+_parity_key = pytest.StashKey[parity.ParityLog]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("distconf", "distconf conformance harness")
+    group.addoption("--runner", default="threads", help=f"rank runner, one of {RUNNERS}")
+    group.addoption(
+        "--world-sizes",
+        default=",".join(map(str, DEFAULT_WORLD_SIZES)),
+        help="comma-separated world sizes to run every suite test at (default: 1,2,3,4)",
+    )
+    group.addoption("--device", default="cpu", help=f"rank device, one of {DEVICES}")
+    group.addoption(
+        "--rank-timeout",
+        type=float,
+        default=60.0,
+        help="deadline in seconds of one world.run call (default: 60)",
+    )
+    group.addoption("--distconf-results", default=None, help="write JSONL results to this file")
+    parser.addini("distconf_catalogue", "path of the spec catalogue", default=None)
+    parser.addini("distconf_suites", "directory holding the conformance suites", default=None)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "spec(id): the catalogue spec ID this test checks")
+    config.addinivalue_line(
+        "markers",
+        "world_size(*sizes, min=None, max=None): world sizes this test can run at",
+    )
+    if settings.get_current_profile_name() == "ci":
+        settings.load_profile("ci")  # ours replaces hypothesis' built-in "ci" profile
+    _validate_options(config)
+    config.stash[_writer_key] = _open_writer(config)
+
+
+def _validate_options(config: pytest.Config) -> None:
+    runner, device = config.getoption("runner"), config.getoption("device")
+    if runner not in RUNNERS:
+        raise pytest.UsageError(f"--runner={runner!r} must be one of {RUNNERS}")
+    if device not in DEVICES:
+        raise pytest.UsageError(f"--device={device!r} must be one of {DEVICES}")
+    world_sizes(config)
+    if not config.getoption("rank_timeout") > 0:
+        raise pytest.UsageError(f"--rank-timeout={config.getoption('rank_timeout')!r} must be > 0")
+
+
+def world_sizes(config: pytest.Config) -> tuple[int, ...]:
+    text = str(config.getoption("world_sizes"))
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or any(size < 1 for size in sizes):
+        raise pytest.UsageError(
+            f"--world-sizes={text!r} must be a comma-separated list of positive ints"
+        )
+    return tuple(dict.fromkeys(sizes))
+
+
+def _open_writer(config: pytest.Config) -> ResultsWriter | None:
+    target = config.getoption("distconf_results")
+    if not target:
+        return None
+    path = Path(target)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        path = path.with_name(f"{path.stem}.{worker}{path.suffix}")
+    header = environment_stamp(
+        runner=config.getoption("runner"),
+        world_sizes=list(world_sizes(config)),
+        device=config.getoption("device"),
+        profile=settings.get_current_profile_name(),
+        seed=config.getoption("hypothesis_seed", default=None),
+        derandomize=settings.default.derandomize if settings.default else None,
+        max_examples=settings.default.max_examples if settings.default else None,
+    )
+    return ResultsWriter(path, header)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    worlds = session.config.stash.get(_worlds_key, None)
+    if worlds is not None:
+        worlds.close()
+    writer = session.config.stash.get(_writer_key, None)
+    if writer is not None:
+        writer.close(exitstatus=int(exitstatus))
+
+
+# --- worlds ----------------------------------------------------------------------------
+
+
+def _sizes_for(item_marker: pytest.Mark | None, configured: tuple[int, ...]) -> tuple[int, ...]:
+    if item_marker is None:
+        return configured
+    allowed, low, high = (
+        item_marker.args,
+        item_marker.kwargs.get("min"),
+        item_marker.kwargs.get("max"),
+    )
+    return tuple(
+        size
+        for size in configured
+        if (not allowed or size in allowed)
+        and (low is None or size >= low)
+        and (high is None or size <= high)
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "world" not in metafunc.fixturenames:
+        return
+    config = metafunc.config
+    runner, device = config.getoption("runner"), config.getoption("device")
+    configured = world_sizes(config)
+    marker = metafunc.definition.get_closest_marker("world_size")
+    sizes = _sizes_for(marker, configured)
+    if sizes:
+        keys = [WorldKey(runner, size, device) for size in sizes]
+        params = [pytest.param(key, id=key.id) for key in keys]
+    else:
+        assert marker is not None
+        reason = (
+            f"needs a world size allowed by {marker.args or ''}{marker.kwargs or ''}; "
+            f"--world-sizes gave {','.join(map(str, configured))}"
+        )
+        params = [
+            pytest.param(
+                None, id=f"{runner}-no-size-{device}", marks=pytest.mark.skip(reason=reason)
+            )
+        ]
+    metafunc.parametrize("world", params, indirect=True, scope="session")
+
+
+@pytest.fixture(scope="session")
+def world(request: pytest.FixtureRequest) -> Any:
+    """The session's World for this test's runner × world size × device."""
+    key: WorldKey = request.param
+    config = request.config
+    if _worlds_key not in config.stash:
+        from harness.runners import WorldCache
+
+        config.stash[_worlds_key] = WorldCache(timeout=config.getoption("rank_timeout"))
+    return config.stash[_worlds_key].get(key.runner, key.world_size, key.device)
+
+
+# --- spec markers against the catalogue --------------------------------------------------
+
+
+def _suites_dir(config: pytest.Config) -> Path:
+    configured = config.getini("distconf_suites")
+    return (config.rootpath / configured).resolve() if configured else catalogue.DEFAULT_SUITES
+
+
+def _catalogue_path(config: pytest.Config) -> Path:
+    configured = config.getini("distconf_catalogue")
+    return (config.rootpath / configured).resolve() if configured else catalogue.DEFAULT_PATH
+
+
+def _spec_ids(function: Any) -> list[str]:
+    marks = getattr(function, "pytestmark", [])
+    return [str(a) for m in marks if m.name == "spec" for a in m.args]
+
+
+def _is_suite_item(item: pytest.Item, suites: Path) -> bool:
+    return item.path.resolve().is_relative_to(suites) and isinstance(item, pytest.Function)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    suites = _suites_dir(config)
+    suite_items = [item for item in items if _is_suite_item(item, suites)]
+    if not suite_items:
+        return
+    specs = catalogue.load(_catalogue_path(config))
+    problems = _marker_problems(suite_items, specs)
+    problems += _coverage_problems(suite_items, specs, suites)
+    if problems:
+        raise pytest.UsageError(
+            "distconf: suites and catalogue disagree:\n" + "\n".join(f"  - {p}" for p in problems)
+        )
+
+
+def _marker_problems(suite_items: list[pytest.Item], specs: dict[str, catalogue.Spec]) -> list[str]:
+    problems: list[str] = []
+    modules = {
+        id(item.module): item.module for item in suite_items if isinstance(item, pytest.Function)
+    }
+    for module in modules.values():
+        for name, function in vars(module).items():
+            if not (name.startswith("test") and callable(function)):
+                continue
+            ids = _spec_ids(function)
+            where = f"{module.__name__}.{name}"
+            if len(ids) != 1:
+                problems.append(f"{where} must carry exactly one spec marker, has {ids!r}")
+            problems += [f"{where} names unknown spec ID {i!r}" for i in ids if i not in specs]
+    return problems
+
+
+def _coverage_problems(
+    suite_items: list[pytest.Item], specs: dict[str, catalogue.Spec], suites: Path
+) -> list[str]:
+    covered: dict[str, set[str]] = {}
+    for item in suite_items:
+        assert isinstance(item, pytest.Function)
+        stem = item.path.stem.removeprefix("test_")
+        ids = covered.setdefault(stem, set())
+        for function in vars(item.module).values():
+            ids.update(_spec_ids(function))
+    problems = []
+    for spec in specs.values():
+        if not (suites / f"test_{spec.suite}.py").exists():
+            problems.append(
+                f"spec {spec.id!r} names suite {spec.suite!r}, "
+                f"but test_{spec.suite}.py does not exist"
+            )
+        elif (
+            spec.status == "active" and spec.suite in covered and spec.id not in covered[spec.suite]
+        ):
+            problems.append(
+                f"spec {spec.id!r} is active but no test in test_{spec.suite}.py covers it"
+            )
+    return problems
+
+
+# --- results -----------------------------------------------------------------------------
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    """Collect the test's parity metrics, and count hypothesis test cases."""
+    with parity.collecting() as log:
+        item.stash[_parity_key] = log
+        return (yield from _counting_examples(item))
+
+
+def _counting_examples(item: pytest.Item) -> Any:
+    """Count test-case executions through hypothesis' public ``inner_test`` attribute."""
+    handle = getattr(getattr(item, "obj", None), "hypothesis", None)
+    if handle is None or not hasattr(handle, "inner_test"):
+        return (yield)
+    inner = handle.inner_test
+    item.stash[_examples_key] = 0
+
+    @functools.wraps(inner)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        item.stash[_examples_key] += 1
+        return inner(*args, **kwargs)
+
+    handle.inner_test = counted
+    try:
+        return (yield)
+    finally:
+        handle.inner_test = inner
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report: pytest.TestReport = yield
+    writer = item.config.stash.get(_writer_key, None)
+    if writer is None:
+        return report
+    phases = item.stash.setdefault(_phases_key, {})
+    phases[report.when] = (report, call.excinfo)
+    if report.when == "teardown":
+        writer.write_test(_record(item, phases))
+    return report
+
+
+def _record(item: pytest.Item, phases: dict[str, Any]) -> TestRecord:
+    from harness.outcomes import describe_outcome
+
+    key = getattr(getattr(item, "callspec", None), "params", {}).get("world")
+    spec_marker = item.get_closest_marker("spec")
+    outcome = describe_outcome(phases)
+    log = item.stash.get(_parity_key, None)
+    return TestRecord(
+        nodeid=item.nodeid,
+        spec=str(spec_marker.args[0]) if spec_marker and spec_marker.args else None,
+        runner=key.runner if key else None,
+        world_size=key.world_size if key else None,
+        device=key.device if key else None,
+        duration=sum(report.duration for report, _ in phases.values()),
+        examples=item.stash.get(_examples_key, None),
+        metrics=log.metrics if log else {},
+        **outcome,
+    )
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return (
+        f"distconf: runner={config.getoption('runner')} "
+        f"world sizes={','.join(map(str, world_sizes(config)))} "
+        f"device={config.getoption('device')} "
+        f"hypothesis profile={settings.get_current_profile_name()} ({time.strftime('%Y-%m-%d')})"
+    )

@@ -1,0 +1,166 @@
+"""The results record schema and its JSONL store.
+
+A results file is one JSON object per line: a ``header`` record stamping the environment,
+one ``test`` record per test outcome, and an ``end`` record when the session finished. Every
+record is flushed as it is written, so a run that is interrupted or crashes keeps every
+record written before; a missing ``end`` record tells the reader so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any, TextIO
+
+SCHEMA = 1
+STATUSES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed", "timeout", "crashed")
+UNEXPECTED = ("failed", "error", "xpassed", "timeout", "crashed")
+_TEXT_LIMIT = 20_000
+
+
+@dataclass
+class TestRecord:
+    """One test's outcome on one World (runner × world size × device)."""
+
+    __test__ = False  # a record, not a pytest test class
+
+    nodeid: str
+    spec: str | None
+    runner: str | None
+    world_size: int | None
+    device: str | None
+    status: str
+    duration: float
+    examples: int | None = None
+    falsifying_example: str | None = None
+    error: str | None = None
+    traceback: str | None = None
+    primary_rank: int | None = None
+    rank_statuses: dict[int, str] | None = None
+    skip_reason: str | None = None
+    metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+    kind: str = "test"
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"status={self.status!r} must be one of {STATUSES}")
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def git_sha(directory: Path) -> str | None:
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=directory,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    return done.stdout.strip() or None
+
+
+def environment_stamp(**run: Any) -> dict[str, Any]:
+    """The header record: versions, platform, git SHA and the run's own settings."""
+    return {
+        "kind": "header",
+        "schema": SCHEMA,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": _version("torch"),
+        "hypothesis": _version("hypothesis"),
+        "numpy": _version("numpy"),
+        "pytest": _version("pytest"),
+        "distconf": _version("distconf"),
+        "git_sha": git_sha(Path(__file__).resolve().parent),
+        "argv": sys.argv,
+        **run,
+    }
+
+
+def _clip(text: str | None) -> str | None:
+    if text is None or len(text) <= _TEXT_LIMIT:
+        return text
+    return text[:_TEXT_LIMIT] + f"\n... ({len(text) - _TEXT_LIMIT} more characters clipped)"
+
+
+class ResultsWriter:
+    """Appends records to a JSONL file, flushing and syncing each one."""
+
+    def __init__(self, path: Path, header: dict[str, Any]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._file: TextIO | None = path.open("w", encoding="utf-8")
+        self._write(header)
+
+    def write_test(self, record: TestRecord) -> None:
+        data = asdict(record)
+        data["traceback"] = _clip(record.traceback)
+        data["error"] = _clip(record.error)
+        data["falsifying_example"] = _clip(record.falsifying_example)
+        self._write(data)
+
+    def close(self, **end: Any) -> None:
+        if self._file is not None:
+            self._write({"kind": "end", "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **end})
+            self._file.close()
+            self._file = None
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._file is None:
+            raise ValueError(f"results file {self.path} is already closed")
+        self._file.write(json.dumps(record, default=str) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+
+@dataclass
+class Results:
+    """A results file read back: its header, test records, end record and unreadable lines."""
+
+    header: dict[str, Any] | None
+    tests: list[dict[str, Any]]
+    end: dict[str, Any] | None
+    bad_lines: list[int]
+
+
+def read_results(path: Path) -> Results:
+    """Read ``path``; lines that are not JSON records are reported, not fatal."""
+    header, end, tests, bad = None, None, [], []
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                bad.append(number)
+                continue
+            kind = record.get("kind") if isinstance(record, dict) else None
+            if kind == "header":
+                header = record
+            elif kind == "end":
+                end = record
+            elif kind == "test":
+                tests.append(record)
+            else:
+                bad.append(number)
+    return Results(header, tests, end, bad)
