@@ -1,0 +1,253 @@
+"""The pytest plugin, driven through pytester on small throwaway projects."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+CATALOGUE = """
+[[spec]]
+id = "demo.sum"
+area = "demo"
+suite = "demo"
+statement = "all_reduce sums."
+provenance = "here"
+status = "active"
+
+[[spec]]
+id = "demo.rank"
+area = "demo"
+suite = "demo"
+statement = "ranks are numbered."
+provenance = "here"
+status = "active"
+"""
+
+GOOD_SUITE = """
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings, strategies as st
+
+
+def _sum(ctx, value):
+    t = torch.tensor([float(value)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+@pytest.mark.spec("demo.sum")
+@settings(max_examples=5, deadline=None)
+@given(value=st.integers(0, 9))
+def test_sum(world, value):
+    assert world.run(_sum, value) == [value * world.world_size] * world.world_size
+
+
+@pytest.mark.spec("demo.rank")
+@pytest.mark.world_size(2, 3)
+def test_rank(world):
+    assert world.run(lambda ctx: ctx.rank) == list(range(world.world_size))
+"""
+
+
+@pytest.fixture
+def project(pytester):
+    pytester.makeini(
+        "[pytest]\ndistconf_catalogue = catalogue.toml\ndistconf_suites = conformance\n"
+    )
+    pytester.makefile(".toml", catalogue=CATALOGUE)
+    pytester.mkdir("conformance")
+    return pytester
+
+
+def _suite(project, source):
+    (project.path / "conformance" / "test_demo.py").write_text(textwrap.dedent(source))
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_world_fixture_runs_each_test_at_every_world_size(project):
+    _suite(project, GOOD_SUITE)
+    results = project.path / "out" / "results.jsonl"
+    run = project.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--world-sizes=1,2,4", f"--distconf-results={results}", "-v"
+    )
+    run.assert_outcomes(passed=4)
+    run.stdout.fnmatch_lines(
+        ["*test_rank?threads-ws2-cpu? PASSED*", "*test_sum?threads-ws4-cpu? PASSED*"]
+    )
+    records = _records(results)
+    assert records[0]["kind"] == "header" and records[0]["world_sizes"] == [1, 2, 4]
+    assert records[-1] == {**records[-1], "kind": "end", "exitstatus": 0}
+    tests = [r for r in records if r["kind"] == "test"]
+    assert {(r["spec"], r["world_size"], r["status"]) for r in tests} == {
+        ("demo.sum", 1, "passed"),
+        ("demo.sum", 2, "passed"),
+        ("demo.sum", 4, "passed"),
+        ("demo.rank", 2, "passed"),
+    }
+    assert all(r["examples"] >= 1 for r in tests if r["spec"] == "demo.sum")
+
+
+def test_world_size_marker_without_a_match_skips_visibly(project):
+    _suite(project, GOOD_SUITE)
+    run = project.runpytest_subprocess("-p", "no:cacheprovider", "--world-sizes=4", "-rs")
+    run.assert_outcomes(passed=1, skipped=1)
+    run.stdout.fnmatch_lines(["*needs a world size allowed by (2, 3); --world-sizes gave 4*"])
+
+
+def test_unknown_and_missing_spec_markers_fail_collection(project):
+    _suite(
+        project,
+        """
+        import pytest
+
+        @pytest.mark.spec("demo.nope")
+        def test_unknown(world):
+            pass
+
+        def test_unmarked(world):
+            pass
+    """,
+    )
+    run = project.runpytest_subprocess("-p", "no:cacheprovider")
+    assert run.ret == pytest.ExitCode.USAGE_ERROR
+    run.stderr.fnmatch_lines(
+        [
+            "*suites and catalogue disagree*",
+            "*test_demo.test_unknown names unknown spec ID 'demo.nope'*",
+            "*test_demo.test_unmarked must carry exactly one spec marker, has []*",
+            "*spec 'demo.sum' is active but no test in test_demo.py covers it*",
+            "*spec 'demo.rank' is active but no test in test_demo.py covers it*",
+        ]
+    )
+
+
+def test_selecting_one_test_does_not_hide_the_rest_of_the_module(project):
+    _suite(project, GOOD_SUITE)
+    run = project.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--world-sizes=2", "conformance/test_demo.py::test_rank"
+    )
+    run.assert_outcomes(passed=1)
+
+
+def test_catalogue_naming_a_missing_suite_is_an_error(project):
+    _suite(project, GOOD_SUITE)
+    (project.path / "catalogue.toml").write_text(
+        CATALOGUE
+        + CATALOGUE.replace("demo.", "other.")
+        .replace('area = "demo"', 'area = "other"')
+        .replace('suite = "demo"', 'suite = "other"')
+    )
+    run = project.runpytest_subprocess("-p", "no:cacheprovider")
+    run.stderr.fnmatch_lines(
+        ["*spec 'other.sum' names suite 'other', but test_other.py does not exist*"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (
+            "--world-sizes=1,x",
+            "*--world-sizes='1,x' must be a comma-separated list of positive ints*",
+        ),
+        ("--world-sizes=0", "*--world-sizes='0' must be*"),
+        ("--runner=mpi", "*--runner='mpi' must be one of*"),
+        ("--device=tpu", "*--device='tpu' must be one of*"),
+        ("--rank-timeout=0", "*--rank-timeout=0.0 must be > 0*"),
+    ],
+)
+def test_bad_options_are_usage_errors(project, option, message):
+    _suite(project, GOOD_SUITE)
+    run = project.runpytest_subprocess("-p", "no:cacheprovider", option)
+    assert run.ret == pytest.ExitCode.USAGE_ERROR
+    run.stderr.fnmatch_lines([message])
+
+
+FAILING_SUITE = """
+import time
+import pytest
+import torch.distributed as dist
+from hypothesis import given, settings, strategies as st
+
+
+def _check(ctx, n):
+    if ctx.rank == 1 and n >= 3:
+        raise AssertionError(f"rank 1 dislikes n={n}")
+    dist.barrier()
+
+
+def _hang(ctx):
+    if ctx.rank == 0:
+        time.sleep(3600)
+    dist.barrier()
+
+
+@pytest.mark.spec("demo.sum")
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(n=st.integers(0, 100))
+def test_sum(world, n):
+    world.run(_check, n)
+
+
+@pytest.mark.spec("demo.rank")
+def test_rank(world):
+    world.run(_hang)
+"""
+
+
+def test_failures_are_recorded_with_shrunk_example_and_rank_statuses(project):
+    _suite(project, FAILING_SUITE)
+    results = project.path / "results.jsonl"
+    run = project.runpytest_subprocess(
+        "-p",
+        "no:cacheprovider",
+        "--world-sizes=2",
+        "--rank-timeout=0.5",
+        f"--distconf-results={results}",
+    )
+    run.assert_outcomes(failed=2)
+    by_spec = {r["spec"]: r for r in _records(results) if r["kind"] == "test"}
+    failed = by_spec["demo.sum"]
+    assert failed["status"] == "failed"
+    assert "n=3" in failed["falsifying_example"]
+    assert failed["primary_rank"] == 1
+    assert failed["rank_statuses"] == {"0": "waiting", "1": "error"}
+    assert "rank 1 dislikes n=3" in failed["error"]
+    hung = by_spec["demo.rank"]
+    assert hung["status"] == "timeout"
+    assert hung["rank_statuses"] == {"0": "timeout", "1": "waiting"}
+    assert "time.sleep(3600)" in hung["error"]
+
+
+def test_interrupted_run_keeps_every_record_written(project):
+    _suite(
+        project,
+        GOOD_SUITE
+        + """
+
+@pytest.mark.spec("demo.rank")
+def test_zz_interrupt(world):
+    raise KeyboardInterrupt
+""",
+    )
+    results = project.path / "results.jsonl"
+    run = project.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--world-sizes=2", f"--distconf-results={results}"
+    )
+    assert run.ret == pytest.ExitCode.INTERRUPTED
+    tests = [r for r in _records(results) if r["kind"] == "test"]
+    assert [(r["spec"], r["status"]) for r in tests] == [
+        ("demo.sum", "passed"),
+        ("demo.rank", "passed"),
+    ]
+
+
+def test_plugin_is_inert_outside_the_suites(pytester):
+    pytester.makepyfile("def test_plain():\n    assert True\n")
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1)

@@ -1,0 +1,103 @@
+"""Strategies draw valid cases by construction and reject bad arguments by name."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harness import strategies as hs
+from harness.cases import DTYPES, partial_sum_factor
+from specs.placements import Partial, Shard, validate
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 6, 8, 12])
+def test_factorisations_are_every_ordered_factorisation(world_size):
+    shapes = hs.factorisations(world_size, 3)
+    assert len(set(shapes)) == len(shapes)
+    assert all(math.prod(s) == world_size and 1 <= len(s) <= 3 for s in shapes)
+    assert shapes[0] == (world_size,)
+    assert (1, 1, world_size) in shapes
+
+
+@settings(max_examples=200)
+@given(st.integers(1, 8), st.data())
+def test_distribute_cases_are_valid(world_size, data):
+    case = data.draw(hs.distribute_cases(world_size))
+    assert math.prod(case.mesh_shape) == world_size
+    validate(case.mesh_shape, case.placements, len(case.shape))
+    ops = {p.reduce_op for p in case.placements if isinstance(p, Partial)}
+    assert len(ops) <= 1
+    assert case.dtype in DTYPES
+    assert not (case.dtype == "int64" and ops & {"avg", "sum"})
+    array = case.global_array()
+    assert array.shape == case.shape
+    assert (array % partial_sum_factor(case.mesh_shape, case.placements) == 0).all()
+    assert (abs(array) <= 64).all()
+
+
+@settings(max_examples=200)
+@given(st.integers(1, 8), st.data())
+def test_redistribute_destinations_add_no_new_partial(world_size, data):
+    case = data.draw(hs.redistribute_cases(world_size, shardable_ops=frozenset({"sum"})))
+    validate(case.mesh_shape, case.dst, len(case.shape))
+    for src, dst in zip(case.src, case.dst, strict=True):
+        if isinstance(dst, Partial):
+            assert dst == src
+        if isinstance(src, Partial) and src.reduce_op != "sum":
+            assert not isinstance(dst, Shard)
+
+
+@settings(max_examples=100)
+@given(st.integers(1, 8), st.data())
+def test_partial_target_cases_add_exactly_one_new_partial(world_size, data):
+    case = data.draw(hs.partial_target_cases(world_size))
+    added = [i for i, (s, d) in enumerate(zip(case.src, case.dst, strict=True)) if s != d]
+    assert len(added) == 1
+    assert isinstance(case.dst[added[0]], Partial) and not isinstance(case.src[added[0]], Partial)
+
+
+@settings(max_examples=100)
+@given(st.integers(1, 8), st.data())
+def test_uneven_and_mlp_cases_stay_near_the_world_size(world_size, data):
+    shard = data.draw(hs.uneven_shard_cases(world_size))
+    assert shard.mesh_shape == (world_size,)
+    assert shard.shape[shard.placements[0].dim] <= 2 * world_size + 1
+    mlp = data.draw(hs.mlp_cases(world_size))
+    assert all(1 <= d <= 2 * world_size + 1 for d in mlp.dims)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: hs.mesh_shapes(0), "world_size=0 must be an int >= 1"),
+        (lambda: hs.mesh_shapes(2, max_ndim=0), "max_ndim=0 must be an int >= 1"),
+        (lambda: hs.shapes(min_ndim=2, max_ndim=1), "max_ndim=1 must be an int >= 2"),
+        (lambda: hs.dtypes(["float16"]), "allowed=\\('float16',\\) must be a non-empty subset"),
+        (lambda: hs.placements(0, 2), "mesh_ndim=0 must be an int >= 1"),
+        (lambda: hs.placements(1, 2, reduce_ops=["prod"]), "reduce_ops=\\('prod',\\)"),
+    ],
+)
+def test_bad_arguments_name_the_value(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        hs.distribute_cases,
+        hs.redistribute_cases,
+        hs.partial_target_cases,
+        hs.extremum_to_shard_cases,
+        hs.partial_sum_integer_cases,
+        hs.uneven_redistribute_cases,
+        hs.uneven_shard_cases,
+        hs.mlp_cases,
+    ],
+)
+def test_case_strategies_validate_world_size_when_built(strategy):
+    with pytest.raises(ValueError, match="world_size=-1 must be an int >= 1"):
+        strategy(-1)

@@ -1,0 +1,268 @@
+"""The thread runner under failure: exceptions, hangs, skips, long runs."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import AllRanksSkipped, RankFailure, open_world
+from harness.runners import WorldCache
+from harness.runners._threaded_pg import RunnerUnsupported
+
+
+@pytest.fixture(scope="module")
+def world4():
+    with open_world("threads", world_size=4) as world:
+        yield world
+
+
+def _rank(ctx):
+    return ctx.rank
+
+
+def _all_reduce_ones(ctx):
+    tensor = torch.ones(1)
+    dist.all_reduce(tensor)
+    return tensor.item()
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 6])
+def test_returns_values_in_rank_order(size):
+    with open_world("threads", world_size=size) as world:
+        assert world.run(_rank) == list(range(size))
+        assert world.run(_all_reduce_ones) == [float(size)] * size
+
+
+def test_arguments_reach_every_rank(world4):
+    assert world4.run(lambda ctx, a, b: (ctx.rank, a + b), 2, 3) == [(r, 5) for r in range(4)]
+
+
+def _fails_on_rank_2(ctx):
+    if ctx.rank == 2:
+        raise ValueError("rank two says no")
+    dist.barrier()
+
+
+def test_exception_on_one_rank_releases_the_others(world4):
+    with pytest.raises(RankFailure) as info:
+        world4.run(_fails_on_rank_2)
+    failure = info.value
+    assert failure.primary.rank == 2
+    assert failure.statuses == {0: "waiting", 1: "waiting", 2: "error", 3: "waiting"}
+    assert "ValueError: rank two says no" in str(failure)
+    assert "_fails_on_rank_2" in failure.primary.traceback
+    assert isinstance(failure.__cause__, ValueError)
+    assert not failure.timed_out
+    assert world4.run(_all_reduce_ones) == [4.0] * 4
+
+
+def _fails_on_ranks_1_and_3(ctx):
+    if ctx.rank in (3, 1):
+        raise KeyError(f"rank {ctx.rank}")
+    dist.barrier()
+
+
+def test_primary_rank_is_the_lowest_real_error(world4):
+    for _ in range(5):  # deterministic whatever order the threads fail in
+        with pytest.raises(RankFailure) as info:
+            world4.run(_fails_on_ranks_1_and_3)
+        assert info.value.primary.rank == 1
+        assert info.value.statuses[3] == "error"
+
+
+def _exits(ctx):
+    if ctx.rank == 0:
+        sys.exit(3)
+    dist.barrier()
+
+
+def test_sys_exit_on_a_rank_is_an_error_not_a_release(world4):
+    with pytest.raises(RankFailure) as info:
+        world4.run(_exits)
+    assert info.value.primary.rank == 0
+    assert info.value.primary.status == "error"
+    assert "SystemExit" in info.value.primary.summary
+
+
+def _hangs_on_rank_1(ctx):
+    if ctx.rank == 1:
+        while True:
+            time.sleep(0.01)
+    dist.barrier()
+
+
+def test_hang_reports_stacks_and_the_world_is_rebuilt(world4):
+    world4.run(_rank)
+    generations = world4.generations
+    started = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        world4.run(_hangs_on_rank_1, timeout=1.0)
+    elapsed = time.monotonic() - started
+    failure = info.value
+    assert failure.timed_out and failure.deadline == 1.0
+    assert failure.primary.rank == 1
+    assert failure.statuses == {0: "waiting", 1: "timeout", 2: "waiting", 3: "waiting"}
+    assert "_hangs_on_rank_1" in failure.outcomes[1].traceback
+    assert "allreduce" in failure.outcomes[0].summary
+    assert "Python stack of every rank" in str(failure)
+    # The deadline bounds the whole call (upstream waits 300 s per thread, one after another).
+    assert elapsed < 10
+    assert world4.run(_all_reduce_ones) == [4.0] * 4
+    assert world4.generations == generations + 1
+
+
+def _every_rank_sleeps(ctx):
+    time.sleep(3600)
+
+
+def test_every_rank_stuck_still_returns_at_the_deadline():
+    with open_world("threads", world_size=4, timeout=0.5) as world:
+        started = time.monotonic()
+        with pytest.raises(RankFailure) as info:
+            world.run(_every_rank_sleeps)
+        assert time.monotonic() - started < 10
+        assert set(info.value.statuses.values()) == {"timeout"}
+        assert info.value.primary.rank == 0
+        assert world.run(_rank) == [0, 1, 2, 3]
+
+
+def _skips_everywhere(ctx):
+    pytest.skip(f"nothing to do on rank {ctx.rank}")
+
+
+def test_skip_on_every_rank_is_a_skip_with_each_reason(world4):
+    with pytest.raises(AllRanksSkipped) as info:
+        world4.run(_skips_everywhere)
+    assert info.value.reasons == {r: f"nothing to do on rank {r}" for r in range(4)}
+    assert "rank 3: nothing to do on rank 3" in str(info.value)
+    assert world4.run(_all_reduce_ones) == [4.0] * 4
+
+
+def _skips_on_rank_0(ctx):
+    if ctx.rank == 0:
+        pytest.skip("only me")
+    dist.barrier()
+
+
+def test_skip_on_one_rank_is_a_failure(world4):
+    with pytest.raises(RankFailure) as info:
+        world4.run(_skips_on_rank_0)
+    assert info.value.primary.rank == 0
+    assert info.value.statuses == {0: "skipped", 1: "waiting", 2: "waiting", 3: "waiting"}
+
+
+def _gathers_mismatched_shapes(ctx):
+    output = [torch.zeros(2) for _ in range(ctx.world_size)]
+    dist.all_gather(output, torch.ones(2 if ctx.rank else 3))
+
+
+def test_failing_collective_fails_every_participant(world4):
+    with pytest.raises(RankFailure) as info:
+        world4.run(_gathers_mismatched_shapes)
+    assert set(info.value.statuses.values()) == {"error"}
+    assert info.value.primary.rank == 0
+    assert "allgather on group" in info.value.primary.summary
+
+
+def _sends(ctx):
+    dist.send(torch.ones(1), dst=(ctx.rank + 1) % ctx.world_size)
+
+
+def test_unsupported_op_says_so(world4):
+    with pytest.raises(RankFailure) as info:
+        world4.run(_sends)
+    assert isinstance(info.value.primary.exception, RunnerUnsupported)
+    assert "send is unsupported on the thread runner" in info.value.primary.summary
+    assert "send" in world4.lacks
+
+
+def test_thousand_calls_reuse_one_generation(world4):
+    world4.run(_rank)
+    generations, calls = world4.generations, world4.calls
+    for _ in range(1000):
+        assert world4.run(_all_reduce_ones) == [4.0] * 4
+    assert world4.generations == generations
+    assert world4.calls == calls + 1000
+
+
+def test_meshes_are_cached_per_rank(world4):
+    first = world4.run(lambda ctx: id(ctx.mesh((2, 2))))
+    second = world4.run(lambda ctx: id(ctx.mesh((2, 2))))
+    assert first == second
+
+
+def test_mesh_shape_is_validated(world4):
+    with pytest.raises(RankFailure) as info:
+        world4.run(lambda ctx: ctx.mesh((3,)))
+    assert "shape=(3,) must be a non-empty mesh shape whose product is the world size 4" in str(
+        info.value
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"runner": "mpi"}, "runner='mpi' must be one of"),
+        ({"world_size": 0}, "world_size=0 must be a positive int"),
+        ({"world_size": 2.0}, "world_size=2.0 must be a positive int"),
+        ({"device": "tpu"}, "device='tpu' must be one of"),
+        ({"timeout": -1}, "timeout=-1 must be a positive number"),
+    ],
+)
+def test_bad_world_arguments_name_the_value(kwargs, message):
+    with pytest.raises(ValueError, match=message), open_world(**kwargs):
+        pass
+
+
+def test_bad_timeout_per_call(world4):
+    with pytest.raises(ValueError, match="timeout=0 must be a positive number"):
+        world4.run(_rank, timeout=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without a GPU")
+def test_cuda_without_gpu_is_a_clear_error():
+    with (
+        pytest.raises(ValueError, match=r"torch.cuda.is_available\(\) is False"),
+        open_world(device="cuda"),
+    ):
+        pass
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_ranks_share_one_gpu():
+    with open_world("threads", world_size=2, device="cuda") as world:
+        assert world.run(lambda ctx: str(ctx.device)) == ["cuda:0", "cuda:0"]
+        assert world.run(_all_reduce_ones) == [2.0, 2.0]
+
+
+def test_world_cache_keeps_one_world_per_key():
+    cache = WorldCache(timeout=5.0)
+    try:
+        assert cache.get("threads", 2, "cpu") is cache.get("threads", 2, "cpu")
+        assert cache.get("threads", 3, "cpu") is not cache.get("threads", 2, "cpu")
+    finally:
+        cache.close()
+
+
+def test_new_generations_never_reuse_another_ranks_redistribute_plan():
+    """Thread idents are recycled; DTensor caches rank-dependent plans by ident."""
+    from harness.cases import RedistributeCase
+    from specs.placements import Replicate, Shard
+    from suites._dtensor_checks import redistribute_on_rank
+
+    case = RedistributeCase(
+        mesh_shape=(1, 2, 2),
+        src=(Shard(-1), Shard(0), Replicate()),
+        dst=(Shard(0), Shard(0), Shard(0)),
+        shape=(17,),
+        dtype="float64",
+        seed=0,
+    )
+    for _ in range(4):  # before the fix, every World after the first failed here
+        with open_world("threads", world_size=4) as world:
+            views = world.run(redistribute_on_rank, case)
+            assert [v.local.shape for v in views] == [(5,), (4,), (4,), (4,)]
