@@ -51,6 +51,8 @@ def _run(args: argparse.Namespace) -> int:
         f"--world-sizes={args.world_sizes}",
         f"--device={args.device}",
         f"--rank-timeout={args.rank_timeout}",
+        # A backstop for a driver-side hang; ranks are bounded by --rank-timeout per call.
+        f"--timeout={args.test_timeout}",
         f"--hypothesis-profile={args.profile}",
         f"--distconf-results={results}",
         "-p",
@@ -95,7 +97,9 @@ def summarise(path: Path) -> int:
         cells, examples, seconds = [], 0, 0.0
         for size in sizes:
             records = rows[spec].get(size, [])
-            statuses = sorted({r["status"] for r in records}, key=lambda s: s not in UNEXPECTED)
+            statuses = sorted(
+                {r["status"] for r in records}, key=lambda s: (s not in UNEXPECTED, s)
+            )
             unexpected += sum(r["status"] in UNEXPECTED for r in records)
             examples += sum(r.get("examples") or 0 for r in records)
             seconds += sum(r.get("duration") or 0.0 for r in records)
@@ -145,6 +149,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--seed", type=int, default=None, help="hypothesis seed for a random profile")
     run.add_argument("--rank-timeout", type=float, default=60.0, help="seconds per world.run call")
+    run.add_argument("--test-timeout", type=float, default=1800.0, help="seconds per test")
     run.add_argument("--out", default=os.path.join("reports", "latest"), help="output directory")
     run.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     run.set_defaults(handler=_run)

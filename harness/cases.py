@@ -7,6 +7,7 @@ same global input without drawing anything itself.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -26,18 +27,22 @@ def partial_sum_factor(mesh_shape: tuple[int, ...], placements: tuple[Placement,
     return math.prod(sizes)
 
 
+@functools.lru_cache(maxsize=64)
 def integer_array(shape: tuple[int, ...], seed: int, *, multiple_of: int = 1) -> np.ndarray:
     """Seeded integer-valued float64 array, every value a multiple of ``multiple_of``.
 
     Integer values keep sums, averages over the mesh and divisions by ``multiple_of`` exact
-    in every dtype the cases use, so placement properties can compare exactly.
+    in every dtype the cases use, so placement properties can compare exactly. The array is
+    read-only and memoised: every rank thread and the driver ask for the same one.
     """
     if multiple_of < 1:
         raise ValueError(f"multiple_of={multiple_of!r} must be a positive int")
     bound = max(0, _MAX_MAGNITUDE // multiple_of)
     rng = np.random.default_rng(seed)
     values = rng.integers(-bound, bound + 1, size=shape) * multiple_of
-    return np.asarray(values, dtype=np.float64)  # a 0-d draw comes back as a numpy scalar
+    array = np.asarray(values, dtype=np.float64)  # a 0-d draw comes back as a numpy scalar
+    array.flags.writeable = False
+    return array
 
 
 @dataclass(frozen=True)

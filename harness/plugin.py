@@ -25,7 +25,7 @@ DEFAULT_WORLD_SIZES = (1, 2, 3, 4)
 
 settings.register_profile("dev", max_examples=10, deadline=None)
 settings.register_profile(
-    "ci", max_examples=25, derandomize=True, database=None, deadline=None, print_blob=True
+    "ci", max_examples=100, derandomize=True, database=None, deadline=None, print_blob=True
 )
 settings.register_profile("nightly", max_examples=1000, deadline=None)
 

@@ -7,6 +7,7 @@ the rank and mesh coordinate that differ.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -18,6 +19,7 @@ from harness.context import RankContext
 from harness.dtensor import DTensorView, tensor_from, to_torch_placements, view_of
 from harness.parity import assert_array_equal, assert_equal_values
 from specs.placements import (
+    Coord,
     Partial,
     Placement,
     assemble,
@@ -34,40 +36,36 @@ def distribute_on_rank(ctx: RankContext, case: DistributeCase) -> DTensorView:
     return view_of(distribute_tensor(tensor, mesh, to_torch_placements(case.placements)), ctx.rank)
 
 
-def redistribute_on_rank(ctx: RankContext, case: RedistributeCase) -> DTensorView:
-    """Build the source from the model's locals (distinct Partial contributions), redistribute."""
-    mesh = ctx.mesh(case.mesh_shape)
-    global_array = case.global_array()
-    coord = coord_of_rank(case.mesh_shape, ctx.rank)
-    local = local_arrays(
-        global_array, case.mesh_shape, case.src, partial="distinct", seed=case.seed
+@functools.lru_cache(maxsize=16)
+def _source_layout(case: RedistributeCase) -> dict[Coord, np.ndarray]:
+    """The model's locals of the source, distinct Partial contributions (shared by ranks)."""
+    return local_arrays(
+        case.global_array(), case.mesh_shape, case.src, partial="distinct", seed=case.seed
     )
-    source = DTensor.from_local(
-        tensor_from(local[coord], case.dtype, ctx.device),
-        mesh,
+
+
+def _source(ctx: RankContext, case: RedistributeCase) -> DTensor:
+    """This rank's part of the source: the model's local array, wrapped by ``from_local``."""
+    local = _source_layout(case)[coord_of_rank(case.mesh_shape, ctx.rank)]
+    return DTensor.from_local(
+        tensor_from(local, case.dtype, ctx.device),
+        ctx.mesh(case.mesh_shape),
         to_torch_placements(case.src),
-        shape=torch.Size(global_array.shape),
-        stride=contiguous_stride(global_array.shape),
+        shape=torch.Size(case.shape),
+        stride=contiguous_stride(case.shape),
     )
-    return view_of(source.redistribute(mesh, to_torch_placements(case.dst)), ctx.rank)
+
+
+def redistribute_on_rank(ctx: RankContext, case: RedistributeCase) -> DTensorView:
+    source = _source(ctx, case)
+    return view_of(source.redistribute(source.device_mesh, to_torch_placements(case.dst)), ctx.rank)
 
 
 def redistribute_error_on_rank(ctx: RankContext, case: RedistributeCase) -> str | None:
     """The message of the RuntimeError redistribute raises, or None if it returned."""
-    mesh = ctx.mesh(case.mesh_shape)
-    global_array = case.global_array()
-    local = local_arrays(global_array, case.mesh_shape, case.src)[
-        coord_of_rank(case.mesh_shape, ctx.rank)
-    ]
-    source = DTensor.from_local(
-        tensor_from(local, case.dtype, ctx.device),
-        mesh,
-        to_torch_placements(case.src),
-        shape=torch.Size(global_array.shape),
-        stride=contiguous_stride(global_array.shape),
-    )
+    source = _source(ctx, case)
     try:
-        source.redistribute(mesh, to_torch_placements(case.dst))
+        source.redistribute(source.device_mesh, to_torch_placements(case.dst))
     except RuntimeError as exc:
         return str(exc)
     return None

@@ -94,7 +94,7 @@ def test_redistribute_preserves_global_value(world: World, data: st.DataObject) 
     )
 
 
-@pytest.mark.spec("placements.redistribute.roundtrip")
+@pytest.mark.spec("placements.redistribute.partial_extremum_to_shard")
 @PROPERTY
 @given(data=st.data())
 def test_redistribute_partial_extremum_to_shard(world: World, data: st.DataObject) -> None:

@@ -53,6 +53,7 @@ def test_run_writes_one_record_per_spec_and_world_size(tmp_path):
         "placements.distribute.partial_sum_keeps_dtype",
         "placements.redistribute.roundtrip",
         "placements.redistribute.partial_target_rejected",
+        "placements.redistribute.partial_extremum_to_shard",
     }
     assert {(r["spec"], r["world_size"]) for r in tests} == {(s, w) for s in specs for w in (1, 3)}
     assert records[0]["profile"] == "dev" and records[-1]["kind"] == "end"

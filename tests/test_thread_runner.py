@@ -266,3 +266,30 @@ def test_new_generations_never_reuse_another_ranks_redistribute_plan():
         with open_world("threads", world_size=4) as world:
             views = world.run(redistribute_on_rank, case)
             assert [v.local.shape for v in views] == [(5,), (4,), (4,), (4,)]
+
+
+def test_seeded_models_are_identical_on_every_rank_and_in_the_driver(world4):
+    """Rank threads share torch's global RNG; seeded_init_ must not depend on it."""
+    from harness.cases import MLPCase
+    from harness.dtensor import to_numpy
+    from harness.models import build_mlp
+
+    case = MLPCase(
+        dims=(5, 7, 3),
+        bias=True,
+        shard_layers=False,
+        batch_per_rank=1,
+        lr=0.1,
+        momentum=0.0,
+        dtype="float32",
+        seed=11,
+    )
+
+    def weights(ctx):
+        torch.manual_seed(ctx.rank)  # a rank reseeding the global RNG changes nothing
+        return [to_numpy(p) for p in build_mlp(case, ctx.device).parameters()]
+
+    expected = [to_numpy(p) for p in build_mlp(case, torch.device("cpu")).parameters()]
+    for _ in range(3):
+        for per_rank in world4.run(weights):
+            assert all((a == b).all() for a, b in zip(per_rank, expected, strict=True))
