@@ -29,6 +29,10 @@ class RankContext:
         default_factory=dict, repr=False
     )
 
+    def forget_meshes(self) -> None:
+        """Drop cached meshes: their process groups were destroyed."""
+        self._meshes.clear()
+
     def mesh(self, shape: tuple[int, ...], names: tuple[str, ...] | None = None) -> DeviceMesh:
         """The device mesh of ``shape`` over all ranks (row-major), built once per World."""
         shape = tuple(shape)

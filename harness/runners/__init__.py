@@ -5,9 +5,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from harness.runners.base import AllRanksSkipped, RankFailure, RankOutcome, World
+from harness.runners.base import (
+    AllRanksSkipped,
+    RankFailure,
+    RankOutcome,
+    World,
+    WorldStartError,
+)
 
-RUNNERS = ("threads",)
+RUNNERS = ("threads", "processes")
 DEVICES = ("cpu", "cuda")
 
 __all__ = [
@@ -18,6 +24,7 @@ __all__ = [
     "RankOutcome",
     "World",
     "WorldCache",
+    "WorldStartError",
     "make_world",
     "open_world",
 ]
@@ -40,10 +47,25 @@ def _validate(runner: str, world_size: int, device: str, timeout: float) -> None
 
 
 def make_world(
-    runner: str, world_size: int, device: str = "cpu", *, timeout: float = 60.0
+    runner: str,
+    world_size: int,
+    device: str = "cpu",
+    *,
+    timeout: float = 60.0,
+    strict_collectives: bool = False,
 ) -> World:
-    """A new World; the caller closes it."""
+    """A new World; the caller closes it.
+
+    ``strict_collectives`` makes the process runner check that every rank issues the same
+    collective (``TORCH_DISTRIBUTED_DEBUG=DETAIL``); the thread runner always checks.
+    """
     _validate(runner, world_size, device, timeout)
+    if runner == "processes":
+        from harness.runners.processes import ProcessWorld
+
+        return ProcessWorld(
+            world_size, device, timeout=timeout, strict_collectives=strict_collectives
+        )
     from harness.runners.threads import ThreadWorld
 
     return ThreadWorld(world_size, device, timeout=timeout)
@@ -51,10 +73,17 @@ def make_world(
 
 @contextlib.contextmanager
 def open_world(
-    runner: str = "threads", world_size: int = 2, device: str = "cpu", *, timeout: float = 60.0
+    runner: str = "threads",
+    world_size: int = 2,
+    device: str = "cpu",
+    *,
+    timeout: float = 60.0,
+    strict_collectives: bool = False,
 ) -> Iterator[World]:
     """A World for the ``with`` block; ``world.run(fn, *args)`` runs ``fn(ctx, *args)`` per rank."""
-    world = make_world(runner, world_size, device, timeout=timeout)
+    world = make_world(
+        runner, world_size, device, timeout=timeout, strict_collectives=strict_collectives
+    )
     try:
         yield world
     finally:
@@ -64,14 +93,20 @@ def open_world(
 class WorldCache:
     """Worlds kept for a session, one per runner × world size × device."""
 
-    def __init__(self, *, timeout: float = 60.0) -> None:
-        self.timeout = timeout
+    def __init__(self, *, timeout: float = 60.0, strict_collectives: bool = False) -> None:
+        self.timeout, self.strict_collectives = timeout, strict_collectives
         self._worlds: dict[tuple[str, int, str], World] = {}
 
     def get(self, runner: str, world_size: int, device: str) -> World:
         key = (runner, world_size, device)
         if key not in self._worlds:
-            self._worlds[key] = make_world(runner, world_size, device, timeout=self.timeout)
+            self._worlds[key] = make_world(
+                runner,
+                world_size,
+                device,
+                timeout=self.timeout,
+                strict_collectives=self.strict_collectives,
+            )
         return self._worlds[key]
 
     def close(self) -> None:

@@ -7,6 +7,7 @@ the verdict here means both runners agree on what a failure, a skip and a primar
 
 from __future__ import annotations
 
+import traceback
 import unittest
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,21 @@ class RankOutcome:
     traceback: str = ""
     """The traceback of an error, or the rank's Python stack when the deadline expired."""
     exception: BaseException | None = field(default=None, repr=False)
+
+
+def error_outcome(
+    rank: int, exc: BaseException, *, keep: bool = True, context: str = ""
+) -> RankOutcome:
+    """An ``error`` outcome for ``exc``; ``keep=False`` drops the exception object (it must
+    cross a process boundary, and exceptions need not pickle)."""
+    summary = f"{type(exc).__name__}: {exc}".strip()
+    return RankOutcome(
+        rank,
+        "error",
+        summary=f"{context}: {summary}" if context else summary,
+        traceback="".join(traceback.format_exception(exc)),
+        exception=exc if keep else None,
+    )
 
 
 def is_skip(exc: BaseException) -> bool:
@@ -66,6 +82,10 @@ class AllRanksSkipped(pytest.skip.Exception):  # type: ignore[misc,name-defined]
             message = f"all {len(reasons)} ranks skipped: {per_rank}"
         super().__init__(message, pytrace=False)
         self.reasons = reasons
+
+
+class WorldStartError(RuntimeError):
+    """The ranks could not start or rendezvous: an infrastructure error, not a test result."""
 
 
 class RankFailure(Exception):
@@ -163,6 +183,15 @@ class World(Protocol):
 
     def run(self, fn: Callable[..., T], *args: Any, timeout: float | None = None) -> list[T]:
         """Run ``fn(ctx, *args)`` on every rank; return the values in rank order."""
+        ...
+
+    def start(self) -> None:
+        """Start the ranks now (they otherwise start at the first call); raises
+        ``WorldStartError`` when they cannot."""
+        ...
+
+    def check_health(self) -> bool:
+        """A barrier with a short deadline; a failing World rebuilds itself. True if healthy."""
         ...
 
     def close(self) -> None: ...

@@ -1,0 +1,377 @@
+"""Process runner: N persistent rank processes (spawn) on gloo (CPU) or nccl (one GPU per rank).
+
+A *pool* is N spawned processes that imported torch once and serve calls from a pipe each.
+The process group inside them is rebuilt cheaply after a call that failed (every rank
+destroys its group and joins a new one on a fresh FileStore); the processes themselves are
+respawned only when one died, a call's deadline expired, or a health check failed.
+
+A rank that fails destroys its process group before it reports: peers blocked in a gloo
+collective with it get "Connection closed by peer" at once and report ``waiting`` instead of
+hanging until gloo's own timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from typing import Any, TypeVar
+
+from harness.runners import _rank_process
+from harness.runners.base import RankOutcome, WorldStartError, settle
+
+T = TypeVar("T")
+RUNNER = "processes"
+_START_TIMEOUT = 180.0
+_CONTROL_TIMEOUT = 30.0
+_STACK_WAIT = 1.0
+_START_ATTEMPTS = 3
+_REAP_WAIT = 5.0
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class _Pool:
+    """One set of rank processes and the pipes to them."""
+
+    def __init__(self, world_size: int, device: str, *, strict: bool) -> None:
+        self.world_size, self.device = world_size, device
+        self.dir = tempfile.mkdtemp(prefix="distconf-world-")
+        self.group_generation = 0
+        context = multiprocessing.get_context("spawn")
+        self.conns: list[Connection] = []
+        self.child_ends: list[Connection] = []
+        self.processes: list[Any] = []
+        self.stack_offsets = [0] * world_size
+        for rank in range(world_size):
+            ours, theirs = context.Pipe()
+            config = _rank_process.RankConfig(
+                rank=rank,
+                world_size=world_size,
+                device=device,
+                directory=self.dir,
+                parent_pid=os.getpid(),
+                strict_collectives=strict,
+            )
+            process = context.Process(
+                target=_rank_process.main,
+                args=(config, theirs),
+                name=f"distconf-rank{rank}",
+                daemon=True,
+            )
+            self.conns.append(ours)
+            self.child_ends.append(theirs)
+            self.processes.append(process)
+
+    def stack_path(self, rank: int) -> str:
+        return _rank_process.stack_path(self.dir, rank)
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        for process, child_end in zip(self.processes, self.child_ends, strict=True):
+            process.start()
+            child_end.close()  # else the rank's death never reads as EOF on our end
+        replies, missing = self._gather("ready", time.monotonic() + _START_TIMEOUT)
+        failed = {r: o for r, o in replies.items() if o.status != "ok"}
+        if missing or failed:
+            detail = [f"rank {r}: {o.summary}\n{o.traceback}" for r, o in sorted(failed.items())]
+            detail += [f"rank {r}: {self._exit_or_silence(r)}" for r in missing]
+            self.kill()
+            raise WorldStartError("rank processes failed to start:\n" + "\n".join(detail))
+
+    def kill(self) -> None:
+        started = [process for process in self.processes if process.pid is not None]
+        for process in started:
+            if process.is_alive():
+                process.kill()
+        for process in started:
+            process.join(5)
+        for conn in self.conns:
+            conn.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def stop(self, grace: float) -> None:
+        """Ask every rank to leave (barrier, destroy the group, exit); kill what remains."""
+        self._broadcast(("stop", None))
+        deadline = time.monotonic() + grace
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        self.kill()
+
+    def alive(self) -> bool:
+        return all(process.is_alive() for process in self.processes)
+
+    # --- calls -------------------------------------------------------------------------
+
+    def call(self, payload: bytes, deadline: float) -> tuple[list[RankOutcome], bool]:
+        self._broadcast_bytes(pickle.dumps(("call", payload)))
+        replies, missing = self._gather("call", deadline)
+        outcomes = dict(replies)
+        timed_out = False
+        for rank in missing:
+            outcomes[rank] = self._missing_outcome(rank)
+            timed_out = timed_out or outcomes[rank].status != "crashed"
+        return [outcomes[r] for r in range(self.world_size)], timed_out
+
+    def control(self, kind: str, argument: Any) -> bool:
+        """Send a control message to every rank; True when every rank acknowledged it."""
+        self._broadcast(("control", (kind, argument)))
+        replies, missing = self._gather(kind, time.monotonic() + _CONTROL_TIMEOUT)
+        return not missing and all(o.status == "ok" for o in replies.values())
+
+    def _broadcast(self, message: tuple[str, Any]) -> None:
+        self._broadcast_bytes(pickle.dumps(message))
+
+    def _broadcast_bytes(self, data: bytes) -> None:
+        for conn in self.conns:
+            # A dead rank shows up as crashed when its reply is gathered.
+            with contextlib.suppress(BrokenPipeError, OSError):
+                conn.send_bytes(data)
+
+    def _gather(self, kind: str, deadline: float) -> tuple[dict[int, RankOutcome], list[int]]:
+        """Replies of kind ``kind`` until every rank answered, died, or the deadline passed."""
+        replies: dict[int, RankOutcome] = {}
+        dead: set[int] = set()
+        while len(replies) + len(dead) < self.world_size:
+            waiting = {
+                handle: rank
+                for rank in range(self.world_size)
+                if rank not in replies and rank not in dead
+                for handle in (self.conns[rank], self.processes[rank].sentinel)
+            }
+            ready = wait(list(waiting), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for handle in ready:
+                rank = waiting[handle]
+                if handle is self.conns[rank] and rank not in replies:
+                    reply = self._receive(rank)
+                    if reply is None:
+                        dead.add(rank)
+                    elif reply[0] == kind:
+                        replies[rank] = reply[1]
+                elif handle is not self.conns[rank] and not self.conns[rank].poll():
+                    dead.add(rank)
+        missing = [r for r in range(self.world_size) if r not in replies]
+        return replies, missing
+
+    def _receive(self, rank: int) -> tuple[str, RankOutcome] | None:
+        try:
+            kind, outcome = pickle.loads(self.conns[rank].recv_bytes())
+        except (EOFError, OSError):
+            return None
+        return str(kind), outcome
+
+    # --- what a missing rank was doing ---------------------------------------------------
+
+    def _missing_outcome(self, rank: int) -> RankOutcome:
+        process = self.processes[rank]
+        # Its pipe and sentinel close a moment before the process can be reaped.
+        process.join(_REAP_WAIT if not process.is_alive() or self._pipe_closed(rank) else 0)
+        if not process.is_alive():
+            return RankOutcome(
+                rank,
+                "crashed",
+                summary=_describe_exit(process.exitcode),
+                traceback=self._new_stack_text(rank),
+            )
+        stack = self._dump_stack(rank)
+        if _rank_process.in_collective(stack):
+            return RankOutcome(rank, "waiting", summary="waiting in a collective", traceback=stack)
+        return RankOutcome(rank, "timeout", summary="still running", traceback=stack)
+
+    def _pipe_closed(self, rank: int) -> bool:
+        return bool(self.processes[rank].sentinel in wait([self.processes[rank].sentinel], 0))
+
+    def _exit_or_silence(self, rank: int) -> str:
+        process = self.processes[rank]
+        if process.is_alive():
+            return "did not answer in time"
+        return f"{_describe_exit(process.exitcode)}\n{self._new_stack_text(rank)}"
+
+    def _dump_stack(self, rank: int) -> str:
+        """Ask faulthandler in the rank for every thread's stack and read it back."""
+        try:
+            os.kill(self.processes[rank].pid, _rank_process.STACK_SIGNAL)
+        except ProcessLookupError:
+            return "(process gone)"
+        deadline = time.monotonic() + _STACK_WAIT
+        text = ""
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            text += self._new_stack_text(rank)
+            if text.rstrip().endswith(")") or "File" in text:
+                time.sleep(0.05)
+                return text + self._new_stack_text(rank)
+        return text or "(no stack: the rank did not answer the stack signal)"
+
+    def _new_stack_text(self, rank: int) -> str:
+        try:
+            with open(self.stack_path(rank), encoding="utf-8", errors="replace") as handle:
+                handle.seek(self.stack_offsets[rank])
+                text = handle.read()
+                self.stack_offsets[rank] = handle.tell()
+        except OSError:
+            return ""
+        return text
+
+
+class ProcessWorld:
+    """A persistent World of ``world_size`` rank processes (see the module docstring)."""
+
+    runner = RUNNER
+    lacks: frozenset[str] = frozenset()
+    _numbers = itertools.count()
+
+    def __init__(
+        self,
+        world_size: int,
+        device: str = "cpu",
+        *,
+        timeout: float = 60.0,
+        strict_collectives: bool = False,
+    ) -> None:
+        if device == "cuda":
+            _check_gpus(world_size)
+        self.world_size, self.device, self.timeout = world_size, device, timeout
+        self.strict_collectives = strict_collectives
+        self.calls = 0
+        self.generations = 0
+        self.respawns = 0
+        self._pool: _Pool | None = None
+        self._needs_reset = False
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"ProcessWorld(world_size={self.world_size}, device={self.device!r})"
+
+    def run(self, fn: Callable[..., T], *args: Any, timeout: float | None = None) -> list[T]:
+        """Run ``fn(ctx, *args)`` in every rank process; the values in rank order."""
+        limit = self.timeout if timeout is None else timeout
+        if not limit > 0:
+            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
+        payload = _pickled_call(fn, args)
+        with self._lock:
+            pool = self._ready_pool()
+            self.calls += 1
+            try:
+                outcomes, timed_out = pool.call(payload, time.monotonic() + limit)
+            except BaseException:
+                self._discard()  # interrupted (Ctrl-C): never leave ranks mid-call
+                raise
+            self._after_call(outcomes, timed_out)
+        return settle(
+            outcomes, runner=RUNNER, device=self.device, deadline=limit if timed_out else None
+        )
+
+    def start(self) -> None:
+        with self._lock:
+            self._ready_pool()
+
+    def check_health(self) -> bool:
+        """Barrier with a short deadline; respawns the pool when it fails. True if healthy."""
+        with self._lock:
+            if self._pool is None:
+                return True
+            if self._pool.alive() and self._pool.control("health", None):
+                return True
+            self._discard()
+            return False
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.stop(grace=_CONTROL_TIMEOUT)
+                self._pool = None
+
+    # --- pool management ---------------------------------------------------------------
+
+    def _ready_pool(self) -> _Pool:
+        if self._pool is not None and self._needs_reset:
+            self._pool.group_generation += 1
+            if not (
+                self._pool.alive() and self._pool.control("reset", self._pool.group_generation)
+            ):
+                self._discard()
+            self._needs_reset = False
+        if self._pool is None:
+            self._pool = self._start_pool()
+            self.generations += 1
+        return self._pool
+
+    def _start_pool(self) -> _Pool:
+        errors = []
+        for _ in range(_START_ATTEMPTS):
+            pool = _Pool(self.world_size, self.device, strict=self.strict_collectives)
+            try:
+                pool.start()
+            except WorldStartError as exc:
+                errors.append(str(exc))
+                continue
+            return pool
+        raise WorldStartError(
+            f"{_START_ATTEMPTS} attempts to start {self.world_size} rank processes failed:\n"
+            + "\n---\n".join(errors)
+        )
+
+    def _after_call(self, outcomes: list[RankOutcome], timed_out: bool) -> None:
+        if all(o.status == "ok" for o in outcomes):
+            return
+        if timed_out or any(o.status == "crashed" for o in outcomes):
+            self.respawns += 1
+            self._discard()
+        else:
+            self._needs_reset = True
+
+    def _discard(self) -> None:
+        if self._pool is not None:
+            self._pool.kill()
+            self._pool = None
+
+
+def _pickled_call(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
+    """Pickle the call in the driver, so an unpicklable function or argument is named here."""
+    try:
+        pickle.dumps(fn)
+    except Exception as exc:
+        raise TypeError(
+            f"fn={fn!r} cannot be sent to rank processes ({exc}); define it at module level"
+        ) from None
+    for index, arg in enumerate(args):
+        try:
+            pickle.dumps(arg)
+        except Exception as exc:
+            raise TypeError(
+                f"args[{index}]={arg!r} cannot be sent to rank processes ({exc})"
+            ) from None
+    return pickle.dumps((fn, args))
+
+
+def _check_gpus(world_size: int) -> None:
+    import torch
+
+    available = torch.cuda.device_count()
+    if available < world_size:
+        raise ValueError(
+            f"world_size={world_size} needs one GPU per rank on the process runner, "
+            f"but {available} are visible"
+        )
