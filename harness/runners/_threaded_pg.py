@@ -54,11 +54,16 @@ class RunnerUnsupported(RuntimeError):
     """An operation the threaded process group does not implement."""
 
 
+class CollectiveMismatch(RuntimeError):
+    """Ranks of one group issued different collectives (op, shapes, dtypes, reduce op, root)."""
+
+
 class _Rendezvous:
-    __slots__ = ("arrived", "cond", "data", "done", "error", "size", "work")
+    __slots__ = ("arrived", "calls", "cond", "data", "done", "error", "size", "work")
 
     def __init__(self, size: int, work: Any, lock: threading.Lock) -> None:
         self.size, self.work = size, work
+        self.calls: list[str] = [""] * size
         # One condition per collective, sharing the domain's lock: completing a collective
         # wakes its own participants only, not every rank waiting on another mesh axis.
         self.cond = threading.Condition(lock)
@@ -90,19 +95,25 @@ class Domain:
         with self.lock:
             return self.waiting_in.get(rank)
 
-    def join(self, pg: DistconfThreadedGroup, name: str, work: Any, data: Any) -> Any:
+    def join(self, pg: DistconfThreadedGroup, call: str, work: Any, data: Any) -> Any:
+        """Wait until every member of ``pg`` joined, then move the data once for all.
+
+        ``call`` describes what this rank issued (op, shapes, dtypes, reduce op, root); the
+        threaded group would otherwise let ranks that issued different collectives "succeed".
+        """
         key, group_rank, rank = pg.pg_name, pg.group_rank, pg.global_rank
+        name = call.split("(", 1)[0]
         with self.lock:
             if self.aborted:
                 raise CollectiveAborted(f"{name} on group {key} not started: {self.abort_reason}")
             rv = self.inflight.get(key)
             if rv is None:
                 rv = self.inflight[key] = _Rendezvous(pg.size(), work, self.lock)
-            rv.data[group_rank] = data
+            rv.data[group_rank], rv.calls[group_rank] = data, call
             rv.arrived += 1
             if rv.arrived == rv.size:
                 del self.inflight[key]
-                self._complete(rv)
+                self._complete(rv, key, pg)
             else:
                 self.waiting_in[rank] = f"{name} on group {key}"
                 rv.cond.wait_for(lambda: rv.done or self.aborted)
@@ -111,15 +122,20 @@ class Domain:
                     raise CollectiveAborted(
                         f"released from {name} on group {key}: {self.abort_reason}"
                     )
+            if isinstance(rv.error, CollectiveMismatch):
+                raise CollectiveMismatch(str(rv.error))
             if rv.error is not None:
                 raise RuntimeError(f"{name} on group {key} failed: {rv.error!r}") from rv.error
         return _upstream.ret_work(data)
 
-    def _complete(self, rv: _Rendezvous) -> None:
-        try:
-            rv.work.work(rv.data)
-        except Exception as exc:  # every participant reports the collective's own failure
-            rv.error = exc
+    def _complete(self, rv: _Rendezvous, key: str, pg: DistconfThreadedGroup) -> None:
+        if any(call != rv.calls[0] for call in rv.calls):
+            rv.error = CollectiveMismatch(_describe_mismatch(rv.calls, key, pg.global_ranks))
+        else:
+            try:
+                rv.work.work(rv.data)
+            except Exception as exc:  # every participant reports the collective's own failure
+                rv.error = exc
         rv.done = True
         rv.cond.notify_all()
 
@@ -133,45 +149,57 @@ class DistconfThreadedGroup(_upstream.ProcessLocalGroup):  # type: ignore[misc] 
         self.global_rank = dist.get_rank() if dist.is_initialized() else rank
         self.domain = domain
 
-    def _join(self, name: str, work: Any, data: Any) -> Any:
-        return self.domain.join(self, name, work, data)
+    @property
+    def global_ranks(self) -> list[int]:
+        """Global rank of each group rank (the default group maps ranks to themselves)."""
+        if not dist.is_initialized():
+            return list(range(self.size()))
+        return list(dist.get_process_group_ranks(self))
+
+    def _join(self, call: str, work: Any, data: Any) -> Any:
+        return self.domain.join(self, call, work, data)
 
     def allreduce(self, tensor_list: Any, opts: Any = None) -> Any:
-        opts = opts if opts is not None else AllreduceOptions()
-        return self._join("allreduce", _upstream.AllReduce(opts.reduceOp), tensor_list)
+        op = (opts if opts is not None else AllreduceOptions()).reduceOp
+        call = f"allreduce({_tensors(tensor_list)}, {_op_name(op)})"
+        return self._join(call, _upstream.AllReduce(op), tensor_list)
 
     def allreduce_coalesced(self, tensor_list: Any, opts: Any = None) -> Any:
         return self.allreduce(tensor_list, opts)
 
     def allgather(self, output_tensors: Any, input_tensor: Any, opts: Any = None) -> Any:
-        return self._join("allgather", _upstream.AllGather(), (output_tensors, input_tensor))
+        call = f"allgather({_tensors(input_tensor)})"
+        return self._join(call, _upstream.AllGather(), (output_tensors, input_tensor))
 
     def broadcast(self, tensor_list: Any, opts: Any = None) -> Any:
         root = opts.rootRank if opts is not None else 0
-        return self._join("broadcast", _upstream.Broadcast(root), tensor_list)
+        call = f"broadcast({_tensors(tensor_list)}, root={root})"
+        return self._join(call, _upstream.Broadcast(root), tensor_list)
 
     def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Any:
         root = opts.rootRank if opts is not None else 0
-        return self._join("scatter", _upstream.Scatter(root), (output_tensors, input_tensors))
+        call = f"scatter({_tensors(output_tensors)}, root={root})"
+        return self._join(call, _upstream.Scatter(root), (output_tensors, input_tensors))
 
     def gather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Any:
         root = opts.rootRank if opts is not None else 0
-        return self._join("gather", _upstream.Gather(root), (output_tensors, input_tensors))
+        call = f"gather({_tensors(input_tensors)}, root={root})"
+        return self._join(call, _upstream.Gather(root), (output_tensors, input_tensors))
 
     def reduce_scatter(self, output_tensor: Any, scatter_list: Any, opts: Any = None) -> Any:
         op = (opts if opts is not None else ReduceScatterOptions()).reduceOp
-        kind = getattr(op, "op", op)  # a ReduceOp wraps its RedOpType in .op
-        if kind not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        if _op_name(op) not in ("SUM", "AVG"):
             raise RunnerUnsupported(
-                f"reduce_scatter with {kind} is unsupported on the thread runner "
+                f"reduce_scatter with {_op_name(op)} is unsupported on the thread runner "
                 "(the threaded process group implements only SUM and AVG)"
             )
-        return self._join(
-            "reduce_scatter", _upstream.ReduceScatter(op), (output_tensor, scatter_list)
-        )
+        call = f"reduce_scatter({_tensors(output_tensor)}, {_op_name(op)})"
+        return self._join(call, _upstream.ReduceScatter(op), (output_tensor, scatter_list))
 
     def alltoall(self, output_tensor_list: Any, input_tensor_list: Any, opts: Any = None) -> Any:
-        return self._join("alltoall", _upstream.AllToAll(), (output_tensor_list, input_tensor_list))
+        # Split sizes may differ between ranks; only the dtype must agree.
+        call = f"alltoall({_dtypes(input_tensor_list)})"
+        return self._join(call, _upstream.AllToAll(), (output_tensor_list, input_tensor_list))
 
     def all_to_all_single(
         self,
@@ -182,7 +210,8 @@ class DistconfThreadedGroup(_upstream.ProcessLocalGroup):  # type: ignore[misc] 
         opts: Any = None,
     ) -> Any:
         data = (output_buffer, input_buffer, output_split_sizes, input_split_sizes)
-        return self._join("all_to_all_single", _upstream.AllToAllBase(), data)
+        call = f"all_to_all_single({_dtypes([input_buffer])})"
+        return self._join(call, _upstream.AllToAllBase(), data)
 
     def _unsupported(self, name: str) -> RunnerUnsupported:
         return RunnerUnsupported(
@@ -204,6 +233,34 @@ class DistconfThreadedGroup(_upstream.ProcessLocalGroup):  # type: ignore[misc] 
 
     def monitored_barrier(self, *args: Any, **kwargs: Any) -> Any:
         raise self._unsupported("monitored_barrier")
+
+
+def _describe_mismatch(calls: list[str], key: str, global_ranks: list[int]) -> str:
+    sides: dict[str, list[int]] = {}
+    for group_rank, call in enumerate(calls):
+        sides.setdefault(call, []).append(global_ranks[group_rank])
+    described = "; ".join(f"ranks {ranks} called {call}" for call, ranks in sides.items())
+    return f"mismatched collectives on group {key}: {described}"
+
+
+def _flat(tensors: Any) -> list[torch.Tensor]:
+    return [t for t in _upstream.flatten_list(tensors) if isinstance(t, torch.Tensor)]
+
+
+def _tensors(tensors: Any) -> str:
+    """What must agree across ranks of most collectives: each tensor's dtype and shape."""
+    return ", ".join(
+        f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in _flat(tensors)
+    )
+
+
+def _dtypes(tensors: Any) -> str:
+    return ", ".join(sorted({str(t.dtype).removeprefix("torch.") for t in _flat(tensors)}))
+
+
+def _op_name(op: Any) -> str:
+    kind = getattr(op, "op", op)  # a ReduceOp wraps its RedOpType in .op
+    return str(getattr(kind, "name", kind))
 
 
 def _create_group(
@@ -232,34 +289,6 @@ def install() -> None:
         torch._C._distributed_c10d._set_thread_isolation_mode(True)  # type: ignore[attr-defined]
         dist.Backend.register_backend(BACKEND, _create_group, devices=["cpu", "cuda"])
         _installed = True
-
-
-def forget_dead_threads() -> None:
-    """Drop DTensor's process-wide caches keyed by thread ident; call when new ranks start.
-
-    ``DeviceMesh`` on the threaded backend compares and hashes by ``threading.get_ident()``.
-    Two process-wide caches hold rank-dependent values under such keys: the planner cache
-    (``get_redistribute_planner``, whose planner keeps its mesh, so the entry never dies) and
-    ``_gen_transform_infos`` (the logical shapes of uneven shards). The OS reuses the ident
-    of an exited thread, so a new rank thread can be served another rank's plan from a
-    retired generation, and its collectives then disagree with its peers' ("size of tensor a
-    (5) must match the size of tensor b (4)"). Upstream's MultiThreadedTestCase starts new
-    threads for every test and shares the hazard.
-    """
-    from torch.distributed.tensor import _redistribute
-
-    clears: list[Any] = [
-        getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),
-        getattr(_redistribute, "clear_redistribute_planner_cache", None),
-    ]
-    for clear in clears:
-        if not callable(clear):
-            raise RuntimeError(
-                "torch.distributed.tensor._redistribute no longer has "
-                "_gen_transform_infos.cache_clear and clear_redistribute_planner_cache: "
-                "review forget_dead_threads for this torch version"
-            )
-        clear()
 
 
 def bind_domain(domain: Domain) -> None:

@@ -25,19 +25,25 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore
 
+from harness import _torch_internals
 from harness.context import RankContext
 from harness.runners import _threaded_pg
-from harness.runners.base import RankOutcome, is_skip, settle, skip_reason
+from harness.runners.base import (
+    RankFailure,
+    RankOutcome,
+    WorldStartError,
+    error_outcome,
+    is_skip,
+    settle,
+    skip_reason,
+)
 
 T = TypeVar("T")
 RUNNER = "threads"
 _START_TIMEOUT = 60.0
 _STOP = None
 _STOP_GRACE = 5.0
-
-
-class WorldStartError(RuntimeError):
-    """The rank threads could not initialise the process group (an infrastructure error)."""
+_HEALTH_TIMEOUT = 10.0
 
 
 class _Generation:
@@ -66,8 +72,9 @@ class _Generation:
         for thread in self.threads:
             thread.start()
         outcomes, _ = self.collect(time.monotonic() + _START_TIMEOUT)
-        # The new threads may carry idents of exited ones; they have run no DTensor op yet.
-        _threaded_pg.forget_dead_threads()
+        # DeviceMesh keys DTensor's caches by thread ident on this backend, and the OS hands
+        # exited threads' idents to new ones: forget plans made for other ranks.
+        _torch_internals.clear_dtensor_plan_caches()
         failed = [o for o in outcomes if o.status != "ok"]
         if failed:
             self.stop(grace=_STOP_GRACE)
@@ -136,7 +143,7 @@ class _Generation:
         try:
             ctx = self._init_rank(rank)
         except BaseException as exc:
-            self._report(0, _error_outcome(rank, exc))
+            self._report(0, error_outcome(rank, exc))
             return
         self._report(0, RankOutcome(rank, "ok"))
         try:
@@ -175,17 +182,7 @@ class _Generation:
                 self.domain.abort(f"rank {rank} skipped")
                 return RankOutcome(rank, "skipped", summary=skip_reason(exc), exception=exc)
             self.domain.abort(f"rank {rank} raised {type(exc).__name__}")
-            return _error_outcome(rank, exc)
-
-
-def _error_outcome(rank: int, exc: BaseException) -> RankOutcome:
-    return RankOutcome(
-        rank,
-        "error",
-        summary=f"{type(exc).__name__}: {exc}".strip(),
-        traceback="".join(traceback.format_exception(exc)),
-        exception=exc,
-    )
+            return error_outcome(rank, exc)
 
 
 class ThreadWorld:
@@ -229,6 +226,20 @@ class ThreadWorld:
             outcomes, runner=RUNNER, device=self.device, deadline=limit if timed_out else None
         )
 
+    def start(self) -> None:
+        with self._lock:
+            self._ensure_generation()
+
+    def check_health(self) -> bool:
+        """A barrier on every rank with a short deadline; a failure retires the generation."""
+        if self._generation is None:
+            return True
+        try:
+            self.run(_barrier, timeout=_HEALTH_TIMEOUT)
+        except RankFailure:
+            return False
+        return True
+
     def close(self) -> None:
         with self._lock:
             self._retire()
@@ -245,3 +256,7 @@ class ThreadWorld:
         if self._generation is not None:
             self._generation.stop(grace=_STOP_GRACE)
             self._generation = None
+
+
+def _barrier(ctx: RankContext) -> None:
+    dist.barrier()
