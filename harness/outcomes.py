@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from harness.runners.base import RankFailure
+from harness.runners.base import RankFailure, WorldStartError
 
 _Phase = tuple[pytest.TestReport, "pytest.ExceptionInfo[BaseException] | None"]
 
@@ -34,6 +34,8 @@ def _failure_fields(report: pytest.TestReport, exc: BaseException | None) -> dic
     if exc is None:
         return fields
     fields["falsifying_example"] = _falsifying_example(exc)
+    if any(isinstance(e, WorldStartError) for e in _leaves(exc)):
+        return {**fields, "status": "error", "error": f"{type(exc).__name__}: {exc}"}
     failure = next((e for e in _leaves(exc) if isinstance(e, RankFailure)), None)
     if failure is None:
         fields["error"] = f"{type(exc).__name__}: {exc}"

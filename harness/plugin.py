@@ -62,6 +62,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=60.0,
         help="deadline in seconds of one world.run call (default: 60)",
     )
+    group.addoption(
+        "--strict-collectives",
+        action="store_true",
+        help="process runner: check every collective's fingerprint across ranks "
+        "(TORCH_DISTRIBUTED_DEBUG=DETAIL); the thread runner always checks",
+    )
     group.addoption("--distconf-results", default=None, help="write JSONL results to this file")
     parser.addini("distconf_catalogue", "path of the spec catalogue", default=None)
     parser.addini("distconf_suites", "directory holding the conformance suites", default=None)
@@ -152,8 +158,16 @@ def _sizes_for(item_marker: pytest.Mark | None, configured: tuple[int, ...]) -> 
     )
 
 
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+def _uses_our_world(metafunc: pytest.Metafunc) -> bool:
+    """The test asks for ``world`` and gets this plugin's fixture, not a project's own."""
     if "world" not in metafunc.fixturenames:
+        return False
+    definitions = getattr(metafunc, "_arg2fixturedefs", {}).get("world")
+    return not definitions or getattr(definitions[-1].func, "__module__", None) == __name__
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if not _uses_our_world(metafunc):
         return
     config = metafunc.config
     runner, device = config.getoption("runner"), config.getoption("device")
@@ -185,8 +199,22 @@ def world(request: pytest.FixtureRequest) -> Any:
     if _worlds_key not in config.stash:
         from harness.runners import WorldCache
 
-        config.stash[_worlds_key] = WorldCache(timeout=config.getoption("rank_timeout"))
-    return config.stash[_worlds_key].get(key.runner, key.world_size, key.device)
+        config.stash[_worlds_key] = WorldCache(
+            timeout=config.getoption("rank_timeout"),
+            strict_collectives=config.getoption("strict_collectives"),
+        )
+    world = config.stash[_worlds_key].get(key.runner, key.world_size, key.device)
+    world.start()  # a World that cannot start is this fixture's error, not a test's failure
+    return world
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before a test reuses a World, check it answers a barrier (it rebuilds itself if not)."""
+    key = getattr(getattr(item, "callspec", None), "params", {}).get("world")
+    worlds = item.config.stash.get(_worlds_key, None)
+    if isinstance(key, WorldKey) and worlds is not None:
+        worlds.get(key.runner, key.world_size, key.device).check_health()
 
 
 # --- spec markers against the catalogue --------------------------------------------------

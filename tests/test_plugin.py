@@ -251,3 +251,17 @@ def test_zz_interrupt(world):
 def test_plugin_is_inert_outside_the_suites(pytester):
     pytester.makepyfile("def test_plain():\n    assert True\n")
     pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1)
+
+
+def test_a_projects_own_world_fixture_is_left_alone(pytester):
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.fixture(params=["a", "b"])
+        def world(request):
+            return request.param
+
+        def test_mine(world):
+            assert world in ("a", "b")
+    """)
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=2)

@@ -155,17 +155,17 @@ def test_skip_on_one_rank_is_a_failure(world4):
     assert info.value.statuses == {0: "skipped", 1: "waiting", 2: "waiting", 3: "waiting"}
 
 
-def _gathers_mismatched_shapes(ctx):
+def _gathers_into_too_small_outputs(ctx):
     output = [torch.zeros(2) for _ in range(ctx.world_size)]
-    dist.all_gather(output, torch.ones(2 if ctx.rank else 3))
+    dist.all_gather(output, torch.ones(3))
 
 
 def test_failing_collective_fails_every_participant(world4):
     with pytest.raises(RankFailure) as info:
-        world4.run(_gathers_mismatched_shapes)
+        world4.run(_gathers_into_too_small_outputs)
     assert set(info.value.statuses.values()) == {"error"}
     assert info.value.primary.rank == 0
-    assert "allgather on group" in info.value.primary.summary
+    assert "allgather on group 0 failed" in info.value.primary.summary
 
 
 def _sends(ctx):

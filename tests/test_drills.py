@@ -1,0 +1,300 @@
+"""Failure drills run against both runners: after each, the same World (or its rebuilt
+successor) serves the next call."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import RankFailure, open_world
+from harness.runners import WorldStartError
+
+RUNNERS = ["threads", "processes"]
+WORLD_SIZE = 3
+
+
+@pytest.fixture(scope="module", params=RUNNERS)
+def world(request):
+    with open_world(request.param, world_size=WORLD_SIZE, timeout=30.0) as world:
+        world.start()
+        yield world
+
+
+def _sum_of_ranks(ctx):
+    tensor = torch.tensor([float(ctx.rank)])
+    dist.all_reduce(tensor)
+    return tensor.item()
+
+
+def _assert_serves_next_call(world):
+    assert world.run(_sum_of_ranks) == [3.0] * WORLD_SIZE
+
+
+def _raises_on_rank_1(ctx):
+    if ctx.rank == 1:
+        raise ValueError("rank 1 refuses")
+    dist.barrier()
+
+
+def test_exception_on_one_rank_names_it_and_releases_the_rest(world):
+    with pytest.raises(RankFailure) as info:
+        world.run(_raises_on_rank_1)
+    failure = info.value
+    assert failure.primary.rank == 1
+    assert failure.statuses == {0: "waiting", 1: "error", 2: "waiting"}
+    assert "ValueError: rank 1 refuses" in failure.primary.summary
+    assert "_raises_on_rank_1" in failure.primary.traceback
+    _assert_serves_next_call(world)
+
+
+def _hangs_on_rank_0(ctx):
+    if ctx.rank == 0:
+        while True:
+            time.sleep(0.05)
+    dist.barrier()
+
+
+def test_hang_gives_every_stack_at_the_deadline(world):
+    with pytest.raises(RankFailure) as info:
+        world.run(_hangs_on_rank_0, timeout=2.0)
+    failure = info.value
+    assert failure.timed_out
+    assert failure.statuses == {0: "timeout", 1: "waiting", 2: "waiting"}
+    assert "_hangs_on_rank_0" in failure.outcomes[0].traceback
+    assert all("barrier" in o.traceback for o in failure.outcomes[1:])
+    _assert_serves_next_call(world)
+
+
+def _mismatched(ctx):
+    tensor = torch.ones(2)
+    if ctx.rank == 0:
+        dist.all_reduce(tensor)
+    else:
+        dist.broadcast(tensor, src=0)
+
+
+def test_mismatched_collectives_fail_naming_both_sides():
+    with open_world("threads", world_size=WORLD_SIZE) as world:
+        with pytest.raises(RankFailure) as info:
+            world.run(_mismatched)
+        summary = info.value.primary.summary
+        assert "mismatched collectives on group 0" in summary
+        assert "ranks [0] called allreduce(float32[2], SUM)" in summary
+        assert "ranks [1, 2] called broadcast(float32[2], root=0)" in summary
+        _assert_serves_next_call(world)
+
+
+def test_mismatched_collectives_on_processes_in_strict_mode():
+    with open_world("processes", world_size=2, strict_collectives=True, timeout=30.0) as world:
+        with pytest.raises(RankFailure) as info:
+            world.run(_mismatched)
+        assert "Detected mismatch between collectives on ranks" in info.value.primary.summary
+        assert world.run(_sum_of_ranks) == [1.0, 1.0]
+
+
+def test_mismatched_collectives_on_processes_without_strict_mode_hit_the_deadline():
+    with open_world("processes", world_size=2, timeout=2.0) as world:
+        with pytest.raises(RankFailure) as info:
+            world.run(_mismatched)
+        assert info.value.timed_out
+        assert world.run(_sum_of_ranks) == [1.0, 1.0]
+
+
+def _dies_on_rank_2(ctx, how):
+    dist.barrier()
+    if ctx.rank == 2:
+        if how == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif how == "exit":
+            os._exit(3)
+        elif how == "segfault":
+            ctypes.string_at(0)
+    dist.barrier()
+
+
+@pytest.mark.parametrize(
+    ("how", "summary"),
+    [
+        ("sigkill", "killed by signal SIGKILL"),
+        ("exit", "exited with code 3"),
+        ("segfault", "killed by signal SIGSEGV"),
+    ],
+)
+def test_dead_rank_process_is_crashed_and_the_pool_respawns(world, how, summary):
+    if world.runner == "threads":
+        pytest.skip("a rank thread cannot die alone: its process is the whole World")
+    respawns = world.respawns
+    with pytest.raises(RankFailure) as info:
+        world.run(_dies_on_rank_2, how)
+    failure = info.value
+    assert failure.primary.rank == 2
+    assert failure.primary.status == "crashed"
+    assert summary in failure.primary.summary
+    if how == "segfault":
+        assert "Fatal Python error: Segmentation fault" in failure.primary.traceback
+    assert world.respawns == respawns + 1
+    _assert_serves_next_call(world)
+
+
+def _leaves_after_last_collective(ctx):
+    dist.barrier()
+    if ctx.rank == 1:
+        if ctx.runner == "processes":
+            os._exit(0)
+        sys.exit(0)
+    return ctx.rank
+
+
+def test_rank_leaving_after_its_last_collective_is_never_a_pass(world):
+    with pytest.raises(RankFailure) as info:
+        world.run(_leaves_after_last_collective)
+    assert info.value.primary.rank == 1
+    assert info.value.primary.status in ("crashed", "error")
+    assert info.value.statuses[0] == "ok"
+    _assert_serves_next_call(world)
+
+
+def _skips_on_rank_2(ctx):
+    if ctx.rank == 2:
+        pytest.skip("rank 2 has nothing to do")
+    dist.barrier()
+
+
+def test_skip_on_one_rank_is_a_failure(world):
+    with pytest.raises(RankFailure) as info:
+        world.run(_skips_on_rank_2)
+    assert info.value.primary.rank == 2
+    assert info.value.statuses[2] == "skipped"
+    _assert_serves_next_call(world)
+
+
+def _skips(ctx):
+    pytest.skip(f"not on rank {ctx.rank}")
+
+
+def test_skip_on_every_rank_is_a_skip(world):
+    with pytest.raises(pytest.skip.Exception, match="rank 2: not on rank 2"):
+        world.run(_skips)
+    _assert_serves_next_call(world)
+
+
+def test_health_check_respawns_a_broken_pool(world):
+    if world.runner == "threads":
+        assert world.check_health()
+        return
+    pids = world.run(lambda_free_pid)
+    os.kill(pids[1], signal.SIGKILL)
+    time.sleep(0.2)
+    assert not world.check_health()
+    assert world.run(lambda_free_pid) != pids
+    _assert_serves_next_call(world)
+
+
+def lambda_free_pid(ctx):
+    return os.getpid()
+
+
+def test_unpicklable_call_is_named_in_the_driver():
+    with open_world("processes", world_size=2) as world:
+        with pytest.raises(
+            TypeError, match=r"fn=<function .*<lambda>.* cannot be sent to rank processes"
+        ):
+            world.run(lambda ctx: 1)
+        with pytest.raises(TypeError, match=r"args\[0\]=<generator .* cannot be sent"):
+            world.run(_sum_of_ranks, (i for i in range(3)))
+        assert world.calls == 0  # nothing was started for calls that could not be sent
+
+
+def _returns_a_lock(ctx):
+    import threading
+
+    return threading.Lock()
+
+
+def test_unpicklable_return_value_is_an_error_naming_its_type():
+    with open_world("processes", world_size=2) as world:
+        with pytest.raises(RankFailure, match="the return value \\(a lock\\) cannot be sent"):
+            world.run(_returns_a_lock)
+        assert world.run(_sum_of_ranks) == [1.0, 1.0]
+
+
+def test_start_failures_are_retried_then_reported_as_infrastructure_errors(monkeypatch):
+    from harness.runners import processes
+
+    attempts = []
+
+    def failing_start(self):
+        attempts.append(1)
+        self.kill()
+        raise WorldStartError("rendezvous failed (simulated)")
+
+    monkeypatch.setattr(processes._Pool, "start", failing_start)
+    world = processes.ProcessWorld(2)
+    with pytest.raises(WorldStartError, match="3 attempts to start 2 rank processes failed"):
+        world.start()
+    assert len(attempts) == 3
+
+
+def test_assertion_failures_are_never_retried(world):
+    calls = world.calls
+    with pytest.raises(RankFailure):
+        world.run(_raises_on_rank_1)
+    assert world.calls == calls + 1
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); its state says whether it runs.
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split()[2] != "Z"
+
+
+def _wait_gone(pids, seconds):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(_pid_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if _pid_alive(p)]
+
+
+DRIVER = """
+import os, sys, time
+from harness import open_world
+def pid(ctx):
+    return os.getpid()
+if __name__ == "__main__":
+    world = open_world("processes", world_size=2).__enter__()
+    print(" ".join(map(str, world.run(pid))), flush=True)
+    if sys.argv[1] == "hang":
+        time.sleep(3600)
+"""
+
+
+@pytest.mark.parametrize("ending", ["exit", "hang"])
+def test_no_rank_process_outlives_its_driver(tmp_path, ending):
+    """Ranks exit when the driver exits normally, and when it is killed outright."""
+    import subprocess
+
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    driver = subprocess.Popen(
+        [sys.executable, str(script), ending],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    pids = [int(p) for p in driver.stdout.readline().split()]
+    assert len(pids) == 2
+    if ending == "hang":
+        driver.kill()
+    driver.wait(60)
+    assert _wait_gone(pids, 10) == []
