@@ -298,3 +298,24 @@ def test_no_rank_process_outlives_its_driver(tmp_path, ending):
         driver.kill()
     driver.wait(60)
     assert _wait_gone(pids, 10) == []
+
+
+def _released_rank_raises_while_unwinding(ctx):
+    try:
+        if ctx.rank == 2:
+            raise KeyError("the real error")
+        dist.barrier()
+    finally:
+        if ctx.rank == 0:
+            raise RuntimeError("cleanup found inconsistent state")
+
+
+def test_a_released_rank_failing_while_unwinding_is_not_the_primary(world):
+    with pytest.raises(RankFailure) as info:
+        world.run(_released_rank_raises_while_unwinding)
+    failure = info.value
+    assert failure.primary.rank == 2
+    assert "the real error" in failure.primary.summary
+    assert failure.statuses[0] == "waiting"
+    assert "cleanup found inconsistent state while unwinding" in failure.outcomes[0].summary
+    _assert_serves_next_call(world)

@@ -210,7 +210,7 @@ def test_mesh_shape_is_validated(world4):
         ({"world_size": 0}, "world_size=0 must be a positive int"),
         ({"world_size": 2.0}, "world_size=2.0 must be a positive int"),
         ({"device": "tpu"}, "device='tpu' must be one of"),
-        ({"timeout": -1}, "timeout=-1 must be a positive number"),
+        ({"timeout": -1}, "timeout=-1 must be a positive, finite number"),
     ],
 )
 def test_bad_world_arguments_name_the_value(kwargs, message):
@@ -219,7 +219,7 @@ def test_bad_world_arguments_name_the_value(kwargs, message):
 
 
 def test_bad_timeout_per_call(world4):
-    with pytest.raises(ValueError, match="timeout=0 must be a positive number"):
+    with pytest.raises(ValueError, match="timeout=0 must be a positive, finite number"):
         world4.run(_rank, timeout=0)
 
 
@@ -293,3 +293,23 @@ def test_seeded_models_are_identical_on_every_rank_and_in_the_driver(world4):
     for _ in range(3):
         for per_rank in world4.run(weights):
             assert all((a == b).all() for a, b in zip(per_rank, expected, strict=True))
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), True, "1"])
+def test_non_finite_or_non_number_timeouts_are_rejected(world4, bad):
+    with pytest.raises(ValueError, match="must be a positive, finite number of seconds"):
+        world4.run(_rank, timeout=bad)
+
+
+def test_after_a_hang_later_calls_get_a_short_deadline_until_the_health_check():
+    from harness.runners.base import AFTER_HANG_TIMEOUT
+
+    with open_world("threads", world_size=2, timeout=30.0) as world:
+        with pytest.raises(RankFailure):
+            world.run(_hangs_on_rank_1, timeout=0.5)
+        with pytest.raises(RankFailure) as info:
+            world.run(_hangs_on_rank_1)  # would wait 30 s; hypothesis re-runs hangs while shrinking
+        assert info.value.deadline == AFTER_HANG_TIMEOUT
+        assert "shortened: this World already hung in this test" in str(info.value)
+        assert world.check_health()
+        assert world.run(_all_reduce_ones, timeout=20) == [2.0, 2.0]

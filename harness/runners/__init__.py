@@ -11,6 +11,7 @@ from harness.runners.base import (
     RankOutcome,
     World,
     WorldStartError,
+    call_limit,
 )
 
 RUNNERS = ("threads", "processes")
@@ -37,8 +38,7 @@ def _validate(runner: str, world_size: int, device: str, timeout: float) -> None
         raise ValueError(f"world_size={world_size!r} must be a positive int")
     if device not in DEVICES:
         raise ValueError(f"device={device!r} must be one of {DEVICES}")
-    if not isinstance(timeout, int | float) or not timeout > 0:
-        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
+    call_limit(timeout, timeout, after_hang=False)  # validates
     if device == "cuda":
         import torch
 

@@ -14,13 +14,18 @@ import pickle
 import signal
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
-from harness.runners.base import RankOutcome, error_outcome, is_skip, skip_reason
+from harness.runners.base import (
+    RankOutcome,
+    error_outcome,
+    is_skip,
+    released_outcome,
+    skip_reason,
+)
 
 STACK_SIGNAL = signal.SIGUSR1
 # gloo's message when a peer destroyed its group (we make failing ranks do that): the rank
@@ -39,6 +44,10 @@ class RankConfig:
     directory: str
     parent_pid: int
     strict_collectives: bool
+
+
+def _is_release(exc: BaseException) -> bool:
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _PEER_GONE)
 
 
 def stack_path(directory: str, rank: int) -> str:
@@ -152,11 +161,11 @@ class _Rank:
 
     def _failure(self, exc: BaseException) -> RankOutcome:
         rank = self.config.rank
+        released = released_outcome(rank, exc, _is_release)
+        if released is not None:
+            return released
         if is_skip(exc):
             return RankOutcome(rank, "skipped", summary=skip_reason(exc))
-        if isinstance(exc, RuntimeError) and any(text in str(exc) for text in _PEER_GONE):
-            trace = "".join(traceback.format_exception(exc))
-            return RankOutcome(rank, "waiting", summary=f"released: {exc}".strip(), traceback=trace)
         return error_outcome(rank, exc, keep=False)
 
     def _release_peers(self) -> None:

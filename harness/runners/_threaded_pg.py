@@ -16,6 +16,8 @@ because ``DeviceMesh`` keys meshes by thread only for that backend name.
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -90,6 +92,27 @@ class Domain:
                 self.aborted, self.abort_reason = True, reason
             for rv in self.inflight.values():
                 rv.cond.notify_all()
+
+    def poll_until(
+        self, rank: int, where: str, ready: Callable[[], bool], timeout: timedelta
+    ) -> None:
+        """Wait for ``ready()`` outside the lock (it may call a store), as ``where``;
+        ``CollectiveAborted`` as soon as the domain aborts."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        delay = 0.0002
+        with self.lock:
+            self.waiting_in[rank] = where
+        try:
+            while not ready():
+                if self.aborted:
+                    raise CollectiveAborted(f"released from {where}: {self.abort_reason}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{where} timed out after {timeout}")
+                time.sleep(delay)
+                delay = min(2 * delay, 0.01)
+        finally:
+            with self.lock:
+                self.waiting_in.pop(rank, None)
 
     def where(self, rank: int) -> str | None:
         with self.lock:
@@ -274,8 +297,16 @@ def _create_group(
         )
     pg = DistconfThreadedGroup(rank, world_size, domain)
     # Groups of a 2-D mesh are created by different threads at once: wait until every member
-    # has created this group before any of them uses it (as upstream does).
-    _upstream._store_based_barrier(rank, prefix_store, "", world_size, timeout)
+    # has created this group before any of them uses it (as upstream does), but give way
+    # when the World aborts: upstream's store barrier would hold a released rank for minutes.
+    key = "distconf/created"
+    prefix_store.add(key, 1)
+    domain.poll_until(
+        pg.global_rank,
+        f"creating a process group of {world_size} ranks",
+        lambda: int(prefix_store.add(key, 0)) >= world_size,
+        timeout,
+    )
     return pg
 
 

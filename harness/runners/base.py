@@ -7,6 +7,7 @@ the verdict here means both runners agree on what a failure, a skip and a primar
 
 from __future__ import annotations
 
+import math
 import traceback
 import unittest
 from collections.abc import Callable, Sequence
@@ -17,6 +18,11 @@ import pytest
 
 RankStatus: TypeAlias = Literal["ok", "error", "waiting", "timeout", "skipped", "crashed"]
 T = TypeVar("T")
+
+# After a call hung, later calls get at most this long until the next health check (the next
+# test): hypothesis re-runs a hanging example while it shrinks, and each re-run would
+# otherwise cost the full deadline.
+AFTER_HANG_TIMEOUT = 5.0
 
 # Which rank's story explains a failed call: a real error first (the others were only
 # released because of it), then a dead process, a rank stuck outside any collective, a rank
@@ -51,6 +57,37 @@ def error_outcome(
         traceback="".join(traceback.format_exception(exc)),
         exception=exc if keep else None,
     )
+
+
+def call_limit(default: float, requested: float | None, *, after_hang: bool) -> float:
+    """The deadline of one call in seconds: ``requested`` or the World's default, validated,
+    capped at ``AFTER_HANG_TIMEOUT`` once the World hung in the current test."""
+    limit = default if requested is None else requested
+    if isinstance(limit, bool) or not isinstance(limit, int | float) or not 0 < limit < math.inf:
+        raise ValueError(f"timeout={requested!r} must be a positive, finite number of seconds")
+    return min(limit, AFTER_HANG_TIMEOUT) if after_hang else float(limit)
+
+
+def released_outcome(
+    rank: int, exc: BaseException, is_release: Callable[[BaseException], bool]
+) -> RankOutcome | None:
+    """A ``waiting`` outcome when ``exc`` is, or was raised while handling, the release of a
+    rank blocked on a failed peer (a ``finally`` that fails while unwinding must not make
+    the released rank look like the culprit); None otherwise."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if is_release(current):
+            also = "" if current is exc else f", then {type(exc).__name__}: {exc} while unwinding"
+            return RankOutcome(
+                rank,
+                "waiting",
+                summary=f"released: {current}{also}",
+                traceback="".join(traceback.format_exception(exc)),
+            )
+        seen.add(id(current))
+        current = current.__context__
+    return None
 
 
 def is_skip(exc: BaseException) -> bool:
@@ -102,8 +139,10 @@ class RankFailure(Exception):
         runner: str,
         device: str,
         deadline: float | None = None,
+        shortened: bool = False,
     ) -> None:
         self.outcomes = tuple(sorted(outcomes, key=lambda o: o.rank))
+        self.shortened = shortened
         rank = primary_rank(self.outcomes)
         assert rank is not None, "RankFailure needs at least one rank that did not succeed"
         self.primary = self.outcomes[rank]
@@ -126,8 +165,9 @@ class RankFailure(Exception):
         where = f"[{self.runner}, {self.device}, world size {self.world_size}]"
         p = self.primary
         if self.timed_out:
+            cut = " (shortened: this World already hung in this test)" if self.shortened else ""
             head = (
-                f"deadline of {self.deadline:g} s expired {where}: rank {p.rank} "
+                f"deadline of {self.deadline:g} s{cut} expired {where}: rank {p.rank} "
                 f"{'timed out outside any collective' if p.status == 'timeout' else p.status}"
             )
         else:
@@ -161,6 +201,7 @@ def settle(
     runner: str,
     device: str,
     deadline: float | None = None,
+    shortened: bool = False,
 ) -> list[Any]:
     """The per-rank values in rank order, or the exception that describes the call."""
     ordered = sorted(outcomes, key=lambda o: o.rank)
@@ -168,7 +209,9 @@ def settle(
         return [o.value for o in ordered]
     if all(o.status == "skipped" for o in ordered):
         raise AllRanksSkipped({o.rank: o.summary for o in ordered})
-    failure = RankFailure(ordered, runner=runner, device=device, deadline=deadline)
+    failure = RankFailure(
+        ordered, runner=runner, device=device, deadline=deadline, shortened=shortened
+    )
     raise failure from failure.primary.exception
 
 
@@ -191,7 +234,9 @@ class World(Protocol):
         ...
 
     def check_health(self) -> bool:
-        """A barrier with a short deadline; a failing World rebuilds itself. True if healthy."""
+        """A barrier with a short deadline; a failing World rebuilds itself. True if healthy.
+
+        Call it between tests: it also lifts the short deadline that follows a hang."""
         ...
 
     def close(self) -> None: ...

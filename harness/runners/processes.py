@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
 
 from harness.runners import _rank_process
-from harness.runners.base import RankOutcome, WorldStartError, settle
+from harness.runners.base import RankOutcome, WorldStartError, call_limit, settle
 
 T = TypeVar("T")
 RUNNER = "processes"
@@ -259,6 +259,7 @@ class ProcessWorld:
         self.respawns = 0
         self._pool: _Pool | None = None
         self._needs_reset = False
+        self._hung = False
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -266,9 +267,7 @@ class ProcessWorld:
 
     def run(self, fn: Callable[..., T], *args: Any, timeout: float | None = None) -> list[T]:
         """Run ``fn(ctx, *args)`` in every rank process; the values in rank order."""
-        limit = self.timeout if timeout is None else timeout
-        if not limit > 0:
-            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
+        limit = call_limit(self.timeout, timeout, after_hang=self._hung)
         payload = _pickled_call(fn, args)
         with self._lock:
             pool = self._ready_pool()
@@ -279,8 +278,13 @@ class ProcessWorld:
                 self._discard()  # interrupted (Ctrl-C): never leave ranks mid-call
                 raise
             self._after_call(outcomes, timed_out)
+            shortened, self._hung = self._hung, self._hung or timed_out
         return settle(
-            outcomes, runner=RUNNER, device=self.device, deadline=limit if timed_out else None
+            outcomes,
+            runner=RUNNER,
+            device=self.device,
+            deadline=limit if timed_out else None,
+            shortened=shortened,
         )
 
     def start(self) -> None:
@@ -290,6 +294,7 @@ class ProcessWorld:
     def check_health(self) -> bool:
         """Barrier with a short deadline; respawns the pool when it fails. True if healthy."""
         with self._lock:
+            self._hung = False
             if self._pool is None:
                 return True
             if self._pool.alive() and self._pool.control("health", None):

@@ -32,8 +32,10 @@ from harness.runners.base import (
     RankFailure,
     RankOutcome,
     WorldStartError,
+    call_limit,
     error_outcome,
     is_skip,
+    released_outcome,
     settle,
     skip_reason,
 )
@@ -44,6 +46,7 @@ _START_TIMEOUT = 60.0
 _STOP = None
 _STOP_GRACE = 5.0
 _HEALTH_TIMEOUT = 10.0
+_STUCK_LIMIT = 64
 
 
 class _Generation:
@@ -174,9 +177,10 @@ class _Generation:
         rank = ctx.rank
         try:
             return RankOutcome(rank, "ok", value=fn(ctx, *args))
-        except _threaded_pg.CollectiveAborted as exc:
-            return RankOutcome(rank, "waiting", summary=str(exc), exception=None)
         except BaseException as exc:
+            released = released_outcome(rank, exc, _is_release)
+            if released is not None:
+                return released
             if is_skip(exc):
                 # A skip leaves the peers to go on alone: release any that wait for us.
                 self.domain.abort(f"rank {rank} skipped")
@@ -198,6 +202,7 @@ class ThreadWorld:
         self.calls = 0
         self.generations = 0
         self._generation: _Generation | None = None
+        self._hung = False
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -205,9 +210,7 @@ class ThreadWorld:
 
     def run(self, fn: Callable[..., T], *args: Any, timeout: float | None = None) -> list[T]:
         """Run ``fn(ctx, *args)`` on every rank; the values in rank order, or ``RankFailure``."""
-        limit = self.timeout if timeout is None else timeout
-        if not limit > 0:
-            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
+        limit = call_limit(self.timeout, timeout, after_hang=self._hung)
         if threading.current_thread().name.startswith("distconf-g"):
             raise RuntimeError("world.run was called from a rank thread; call it from the driver")
         with self._lock:
@@ -222,8 +225,13 @@ class ThreadWorld:
                 raise
             if any(o.status != "ok" for o in outcomes):
                 self._retire()
+            shortened, self._hung = self._hung, self._hung or timed_out
         return settle(
-            outcomes, runner=RUNNER, device=self.device, deadline=limit if timed_out else None
+            outcomes,
+            runner=RUNNER,
+            device=self.device,
+            deadline=limit if timed_out else None,
+            shortened=shortened,
         )
 
     def start(self) -> None:
@@ -232,6 +240,7 @@ class ThreadWorld:
 
     def check_health(self) -> bool:
         """A barrier on every rank with a short deadline; a failure retires the generation."""
+        self._hung = False
         if self._generation is None:
             return True
         try:
@@ -246,6 +255,7 @@ class ThreadWorld:
 
     def _ensure_generation(self) -> _Generation:
         if self._generation is None:
+            _refuse_past_stuck_limit()
             generation = _Generation(self.world_size, self.device, next(self._numbers))
             generation.start()
             self._generation = generation
@@ -255,7 +265,26 @@ class ThreadWorld:
     def _retire(self) -> None:
         if self._generation is not None:
             self._generation.stop(grace=_STOP_GRACE)
+            _abandoned.extend(self._generation.threads[r] for r in self._generation.stuck)
             self._generation = None
+
+
+# Rank threads that never came back from a call; a thread cannot be killed, only left.
+_abandoned: list[threading.Thread] = []
+
+
+def _refuse_past_stuck_limit() -> None:
+    _abandoned[:] = [thread for thread in _abandoned if thread.is_alive()]
+    if len(_abandoned) >= _STUCK_LIMIT:
+        raise WorldStartError(
+            f"{len(_abandoned)} rank threads are stuck in earlier calls and cannot be "
+            "stopped; this process will not start more (use --runner processes for checks "
+            "that hang, or restart the session)"
+        )
+
+
+def _is_release(exc: BaseException) -> bool:
+    return isinstance(exc, _threaded_pg.CollectiveAborted)
 
 
 def _barrier(ctx: RankContext) -> None:
