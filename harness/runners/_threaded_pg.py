@@ -30,9 +30,6 @@ BACKEND = "threaded"
 # Operations this process group cannot serve, named as World.lacks names them.
 UNSUPPORTED = frozenset(
     {
-        "reduce_scatter.max",
-        "reduce_scatter.min",
-        "reduce_scatter.product",
         "send",
         "recv",
         "reduce",
@@ -73,6 +70,28 @@ class _Rendezvous:
         self.arrived = 0
         self.done = False
         self.error: BaseException | None = None
+
+
+class _ReduceScatter:
+    """Reduce-scatter with every reduce op upstream's all-reduce knows (upstream's own
+    reduce-scatter implements only SUM and AVG, which leaves Partial(max|min) -> Shard
+    unchecked on threads)."""
+
+    def __init__(self, op: Any) -> None:
+        kind = getattr(op, "op", op)
+        if kind not in _upstream._reduce_ops:
+            raise RunnerUnsupported(
+                f"reduce_scatter with {_op_name(op)} is unsupported on the thread runner"
+            )
+        self.reduce = _upstream._reduce_ops[kind]
+
+    @torch.no_grad()
+    def work(self, data: list[Any]) -> None:
+        for destination, (outputs, _) in enumerate(data):
+            (output,) = outputs
+            pieces = [scatter_lists[0][destination] for _, scatter_lists in data]
+            # See upstream's Note [Hide collectives mutation from autograd].
+            output.detach().copy_(self.reduce([p.to(output.device) for p in pieces]))
 
 
 class Domain:
@@ -211,13 +230,8 @@ class DistconfThreadedGroup(_upstream.ProcessLocalGroup):  # type: ignore[misc] 
 
     def reduce_scatter(self, output_tensor: Any, scatter_list: Any, opts: Any = None) -> Any:
         op = (opts if opts is not None else ReduceScatterOptions()).reduceOp
-        if _op_name(op) not in ("SUM", "AVG"):
-            raise RunnerUnsupported(
-                f"reduce_scatter with {_op_name(op)} is unsupported on the thread runner "
-                "(the threaded process group implements only SUM and AVG)"
-            )
         call = f"reduce_scatter({_tensors(output_tensor)}, {_op_name(op)})"
-        return self._join(call, _upstream.ReduceScatter(op), (output_tensor, scatter_list))
+        return self._join(call, _ReduceScatter(op), (output_tensor, scatter_list))
 
     def alltoall(self, output_tensor_list: Any, input_tensor_list: Any, opts: Any = None) -> Any:
         # Split sizes may differ between ranks; only the dtype must agree.

@@ -222,7 +222,7 @@ class World(Protocol):
     world_size: int
     device: str
     lacks: frozenset[str]
-    """Operations this runner cannot serve (``reduce_scatter.max``, ``send``, ...)."""
+    """Operations this runner cannot serve (``send``, ``reduce``, ...)."""
 
     def run(self, fn: Callable[..., T], *args: Any, timeout: float | None = None) -> list[T]:
         """Run ``fn(ctx, *args)`` on every rank; return the values in rank order."""
