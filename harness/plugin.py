@@ -9,8 +9,10 @@ live under the suites directory nor ask for the ``world`` fixture.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -23,10 +25,9 @@ from harness.runners import DEVICES, RUNNERS
 
 DEFAULT_WORLD_SIZES = (1, 2, 3, 4)
 
+# "ci" is hypothesis' own profile (derandomized, no database, no deadline; loaded by
+# hypothesis when it detects CI): distconf does not replace it for every project.
 settings.register_profile("dev", max_examples=10, deadline=None)
-settings.register_profile(
-    "ci", max_examples=100, derandomize=True, database=None, deadline=None, print_blob=True
-)
 settings.register_profile("nightly", max_examples=1000, deadline=None)
 
 
@@ -49,21 +50,28 @@ _parity_key = pytest.StashKey[parity.ParityLog]()
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("distconf", "distconf conformance harness")
-    group.addoption("--runner", default="threads", help=f"rank runner, one of {RUNNERS}")
+    group.addoption(
+        "--runner", dest="distconf_runner", default="threads", help=f"rank runner, one of {RUNNERS}"
+    )
     group.addoption(
         "--world-sizes",
+        dest="distconf_world_sizes",
         default=",".join(map(str, DEFAULT_WORLD_SIZES)),
         help="comma-separated world sizes to run every suite test at (default: 1,2,3,4)",
     )
-    group.addoption("--device", default="cpu", help=f"rank device, one of {DEVICES}")
+    group.addoption(
+        "--device", dest="distconf_device", default="cpu", help=f"rank device, one of {DEVICES}"
+    )
     group.addoption(
         "--rank-timeout",
+        dest="distconf_rank_timeout",
         type=float,
         default=60.0,
         help="deadline in seconds of one world.run call (default: 60)",
     )
     group.addoption(
         "--strict-collectives",
+        dest="distconf_strict_collectives",
         action="store_true",
         help="process runner: check every collective's fingerprint across ranks "
         "(TORCH_DISTRIBUTED_DEBUG=DETAIL); the thread runner always checks",
@@ -79,25 +87,25 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "world_size(*sizes, min=None, max=None): world sizes this test can run at",
     )
-    if settings.get_current_profile_name() == "ci":
-        settings.load_profile("ci")  # ours replaces hypothesis' built-in "ci" profile
     _validate_options(config)
     config.stash[_writer_key] = _open_writer(config)
 
 
 def _validate_options(config: pytest.Config) -> None:
-    runner, device = config.getoption("runner"), config.getoption("device")
+    runner, device = config.getoption("distconf_runner"), config.getoption("distconf_device")
     if runner not in RUNNERS:
         raise pytest.UsageError(f"--runner={runner!r} must be one of {RUNNERS}")
     if device not in DEVICES:
         raise pytest.UsageError(f"--device={device!r} must be one of {DEVICES}")
     world_sizes(config)
-    if not config.getoption("rank_timeout") > 0:
-        raise pytest.UsageError(f"--rank-timeout={config.getoption('rank_timeout')!r} must be > 0")
+    if not config.getoption("distconf_rank_timeout") > 0:
+        raise pytest.UsageError(
+            f"--rank-timeout={config.getoption('distconf_rank_timeout')!r} must be > 0"
+        )
 
 
 def world_sizes(config: pytest.Config) -> tuple[int, ...]:
-    text = str(config.getoption("world_sizes"))
+    text = str(config.getoption("distconf_world_sizes"))
     try:
         sizes = tuple(int(part) for part in text.split(","))
     except ValueError:
@@ -118,9 +126,9 @@ def _open_writer(config: pytest.Config) -> ResultsWriter | None:
     if worker:
         path = path.with_name(f"{path.stem}.{worker}{path.suffix}")
     header = environment_stamp(
-        runner=config.getoption("runner"),
+        runner=config.getoption("distconf_runner"),
         world_sizes=list(world_sizes(config)),
-        device=config.getoption("device"),
+        device=config.getoption("distconf_device"),
         profile=settings.get_current_profile_name(),
         seed=config.getoption("hypothesis_seed", default=None),
         derandomize=settings.default.derandomize if settings.default else None,
@@ -170,7 +178,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if not _uses_our_world(metafunc):
         return
     config = metafunc.config
-    runner, device = config.getoption("runner"), config.getoption("device")
+    runner, device = config.getoption("distconf_runner"), config.getoption("distconf_device")
     configured = world_sizes(config)
     marker = metafunc.definition.get_closest_marker("world_size")
     sizes = _sizes_for(marker, configured)
@@ -200,8 +208,8 @@ def world(request: pytest.FixtureRequest) -> Any:
         from harness.runners import WorldCache
 
         config.stash[_worlds_key] = WorldCache(
-            timeout=config.getoption("rank_timeout"),
-            strict_collectives=config.getoption("strict_collectives"),
+            timeout=config.getoption("distconf_rank_timeout"),
+            strict_collectives=config.getoption("distconf_strict_collectives"),
         )
     world = config.stash[_worlds_key].get(key.runner, key.world_size, key.device)
     world.start()  # a World that cannot start is this fixture's error, not a test's failure
@@ -230,57 +238,71 @@ def _catalogue_path(config: pytest.Config) -> Path:
     return (config.rootpath / configured).resolve() if configured else catalogue.DEFAULT_PATH
 
 
-def _spec_ids(function: Any) -> list[str]:
-    marks = getattr(function, "pytestmark", [])
+def _marks(obj: Any) -> list[pytest.Mark]:
+    found = getattr(obj, "pytestmark", [])
+    marks: list[Any] = found if isinstance(found, list) else [found]
+    return [m.mark if isinstance(m, pytest.MarkDecorator) else m for m in marks]
+
+
+def _spec_ids(marks: list[pytest.Mark]) -> list[str]:
     return [str(a) for m in marks if m.name == "spec" for a in m.args]
 
 
+def _module_tests(module: Any) -> Iterator[tuple[str, list[str]]]:
+    """Every test a suite module defines (functions and ``Test*`` classes' methods) with the
+    spec IDs it carries, module and class marks included, whatever was selected to run."""
+    module_marks = _marks(module)
+    for name, obj in vars(module).items():
+        where = f"{module.__name__}.{name}"
+        if inspect.isclass(obj) and name.startswith("Test"):
+            class_marks = module_marks + _marks(obj)
+            for attr, method in vars(obj).items():
+                if attr.startswith("test") and callable(method):
+                    yield f"{where}.{attr}", _spec_ids(class_marks + _marks(method))
+        elif name.startswith("test") and inspect.isfunction(obj):
+            yield where, _spec_ids(module_marks + _marks(obj))
+
+
 def _is_suite_item(item: pytest.Item, suites: Path) -> bool:
-    return item.path.resolve().is_relative_to(suites) and isinstance(item, pytest.Function)
+    return isinstance(item, pytest.Function) and item.path.resolve().is_relative_to(suites)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     suites = _suites_dir(config)
-    suite_items = [item for item in items if _is_suite_item(item, suites)]
-    if not suite_items:
+    modules = {
+        item.path.stem.removeprefix("test_"): item.module
+        for item in items
+        if isinstance(item, pytest.Function) and _is_suite_item(item, suites)
+    }
+    if not modules:
         return
     specs = catalogue.load(_catalogue_path(config))
-    problems = _marker_problems(suite_items, specs)
-    problems += _coverage_problems(suite_items, specs, suites)
+    tests = {suite: list(_module_tests(module)) for suite, module in modules.items()}
+    problems = _marker_problems(tests, specs) + _coverage_problems(tests, specs, suites)
     if problems:
         raise pytest.UsageError(
             "distconf: suites and catalogue disagree:\n" + "\n".join(f"  - {p}" for p in problems)
         )
 
 
-def _marker_problems(suite_items: list[pytest.Item], specs: dict[str, catalogue.Spec]) -> list[str]:
+def _marker_problems(
+    tests: dict[str, list[tuple[str, list[str]]]], specs: dict[str, catalogue.Spec]
+) -> list[str]:
     problems: list[str] = []
-    modules = {
-        id(item.module): item.module for item in suite_items if isinstance(item, pytest.Function)
-    }
-    for module in modules.values():
-        for name, function in vars(module).items():
-            if not (name.startswith("test") and callable(function)):
-                continue
-            ids = _spec_ids(function)
-            where = f"{module.__name__}.{name}"
-            if len(ids) != 1:
-                problems.append(f"{where} must carry exactly one spec marker, has {ids!r}")
-            problems += [f"{where} names unknown spec ID {i!r}" for i in ids if i not in specs]
+    for where, ids in (test for module_tests in tests.values() for test in module_tests):
+        if len(ids) != 1:
+            problems.append(f"{where} must carry exactly one spec marker, has {ids!r}")
+        problems += [f"{where} names unknown spec ID {i!r}" for i in ids if i not in specs]
     return problems
 
 
 def _coverage_problems(
-    suite_items: list[pytest.Item], specs: dict[str, catalogue.Spec], suites: Path
+    tests: dict[str, list[tuple[str, list[str]]]], specs: dict[str, catalogue.Spec], suites: Path
 ) -> list[str]:
-    covered: dict[str, set[str]] = {}
-    for item in suite_items:
-        assert isinstance(item, pytest.Function)
-        stem = item.path.stem.removeprefix("test_")
-        ids = covered.setdefault(stem, set())
-        for function in vars(item.module).values():
-            ids.update(_spec_ids(function))
+    covered = {
+        suite: {i for _, ids in module_tests for i in ids} for suite, module_tests in tests.items()
+    }
     problems = []
     for spec in specs.values():
         if not (suites / f"test_{spec.suite}.py").exists():
@@ -288,9 +310,7 @@ def _coverage_problems(
                 f"spec {spec.id!r} names suite {spec.suite!r}, "
                 f"but test_{spec.suite}.py does not exist"
             )
-        elif (
-            spec.status == "active" and spec.suite in covered and spec.id not in covered[spec.suite]
-        ):
+        elif spec.status == "active" and spec.id not in covered.get(spec.suite, {spec.id}):
             problems.append(
                 f"spec {spec.id!r} is active but no test in test_{spec.suite}.py covers it"
             )
@@ -361,10 +381,12 @@ def _record(item: pytest.Item, phases: dict[str, Any]) -> TestRecord:
     )
 
 
-def pytest_report_header(config: pytest.Config) -> str:
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if not _suites_dir(config).is_relative_to(config.rootpath):
+        return None  # not a distconf checkout: say nothing in other projects' runs
     return (
-        f"distconf: runner={config.getoption('runner')} "
+        f"distconf: runner={config.getoption('distconf_runner')} "
         f"world sizes={','.join(map(str, world_sizes(config)))} "
-        f"device={config.getoption('device')} "
+        f"device={config.getoption('distconf_device')} "
         f"hypothesis profile={settings.get_current_profile_name()} ({time.strftime('%Y-%m-%d')})"
     )

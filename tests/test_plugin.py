@@ -265,3 +265,97 @@ def test_a_projects_own_world_fixture_is_left_alone(pytester):
             assert world in ("a", "b")
     """)
     pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=2)
+
+
+def test_marks_on_classes_and_modules_count_and_class_tests_are_checked(project):
+    _suite(
+        project,
+        """
+        import pytest
+
+        pytestmark = pytest.mark.spec("demo.rank")
+
+        def test_inherits_the_module_mark(world):
+            assert world.run(lambda ctx: ctx.rank) == list(range(world.world_size))
+
+        @pytest.mark.spec("demo.sum")
+        class TestGroup:
+            pass
+
+        class TestOther:
+            @pytest.mark.spec("demo.unknown")
+            def test_bad(self, world):
+                pass
+    """,
+    )
+    run = project.runpytest_subprocess("-p", "no:cacheprovider")
+    assert run.ret == pytest.ExitCode.USAGE_ERROR
+    run.stderr.fnmatch_lines(
+        [
+            "*TestOther.test_bad must carry exactly one spec marker, has ['demo.rank', *",
+            "*test_demo.TestOther.test_bad names unknown spec ID 'demo.unknown'*",
+            "*spec 'demo.sum' is active but no test in test_demo.py covers it*",
+        ]
+    )
+
+
+OUTCOMES = """
+import time
+import pytest
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("fixture broke")
+
+def test_passes():
+    pass
+
+def test_fails():
+    assert 1 == 2, "one is not two"
+
+def test_setup_error(broken):
+    pass
+
+def test_skips():
+    pytest.skip("not today")
+
+@pytest.mark.xfail(strict=True, reason="known deviation")
+def test_xfails():
+    raise AssertionError("the deviation")
+
+@pytest.mark.xfail(strict=True, reason="fixed upstream?")
+def test_strict_xpass():
+    pass
+
+@pytest.mark.xfail(strict=False, reason="maybe fixed")
+def test_loose_xpass():
+    pass
+
+@pytest.mark.timeout(1, method="signal")
+def test_times_out():
+    time.sleep(30)
+"""
+
+
+def test_every_outcome_gets_its_own_status(pytester):
+    pytester.makepyfile(test_outcomes=OUTCOMES)
+    results = pytester.path / "r.jsonl"
+    pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--distconf-results={results}")
+    records = {r["nodeid"].split("::")[-1]: r for r in _records(results) if r["kind"] == "test"}
+    statuses = {name: record["status"] for name, record in records.items()}
+    assert statuses == {
+        "test_passes": "passed",
+        "test_fails": "failed",
+        "test_setup_error": "error",
+        "test_skips": "skipped",
+        "test_xfails": "xfailed",
+        "test_strict_xpass": "xpassed",
+        "test_loose_xpass": "xpassed",
+        "test_times_out": "timeout",
+    }
+    assert "one is not two" in records["test_fails"]["error"]
+    assert "fixture broke" in records["test_setup_error"]["error"]
+    assert records["test_skips"]["skip_reason"] == "not today"
+    assert "the deviation" in records["test_xfails"]["error"]
+    assert records["test_xfails"]["skip_reason"] == "known deviation"
+    assert "[XPASS(strict)] fixed upstream?" in records["test_strict_xpass"]["error"]
