@@ -50,21 +50,37 @@ def _failure_fields(report: pytest.TestReport, exc: BaseException | None) -> dic
     return fields
 
 
+def _is_strict_xpass(report: pytest.TestReport) -> bool:
+    return isinstance(report.longrepr, str) and report.longrepr.startswith("[XPASS(strict)]")
+
+
+def _is_test_timeout(exc: BaseException | None) -> bool:
+    """pytest-timeout's own expiry (the backstop above the rank deadlines)."""
+    return exc is not None and str(exc).startswith("Timeout (>")
+
+
 def describe_outcome(phases: dict[str, _Phase]) -> dict[str, Any]:
     """``status`` and the details that explain it, from the setup/call/teardown reports."""
     for when in ("setup", "call", "teardown"):
         if when not in phases:
             continue
         report, excinfo = phases[when]
+        exc = excinfo.value if excinfo is not None else None
         xfail = getattr(report, "wasxfail", None)
+        if report.skipped and xfail is not None:
+            # Keep what failed: an expected deviation should be seen to be the expected one.
+            details = _failure_fields(report, exc) if exc is not None else {}
+            return {**details, "status": "xfailed", "skip_reason": xfail or None}
         if report.skipped:
-            if xfail is not None:
-                return {"status": "xfailed", "skip_reason": xfail or None}
             return {"status": "skipped", "skip_reason": _skip_reason(report)}
+        if report.failed and _is_strict_xpass(report):
+            return {"status": "xpassed", "error": str(report.longrepr)}
         if report.failed:
-            status = "xpassed" if xfail is not None else "failed" if when == "call" else "error"
-            exc = excinfo.value if excinfo is not None else None
-            return {"status": status, **_failure_fields(report, exc)}
+            details = _failure_fields(report, exc)
+            status = "failed" if when == "call" else "error"
+            if _is_test_timeout(exc):
+                status = "timeout"
+            return {"status": status, **details}
         if when == "call" and xfail is not None:
             return {"status": "xpassed", "skip_reason": xfail or None}
     return {"status": "passed"}
