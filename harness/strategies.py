@@ -82,21 +82,48 @@ _SEEDS = st.integers(0, 2**32 - 1)
 def mesh_shapes(
     world_size: int, *, max_ndim: int = MAX_MESH_NDIM
 ) -> st.SearchStrategy[tuple[int, ...]]:
-    """Mesh shapes whose product is ``world_size``: 1-D first, then 2-D and 3-D."""
+    """Mesh shapes whose product is ``world_size``, 1-D first (hypothesis shrinks there).
+
+    Four draws in five avoid size-1 axes, which add mesh dims that move no data; the fifth
+    may have them (a size-1 axis is still a case DTensor must get right).
+    """
     _check_int("world_size", world_size, 1)
     _check_int("max_ndim", max_ndim, 1)
-    return _sampled(factorisations(world_size, max_ndim))
+    every = factorisations(world_size, max_ndim)
+    real = tuple(shape for shape in every if 1 not in shape) or every
+    return _mix((4, _sampled(real)), (1, _sampled(every)))
 
 
 def shapes(
-    *, min_ndim: int = 0, max_ndim: int = 3, max_side: int = MAX_SIDE
+    *, min_ndim: int = 0, max_ndim: int = 3, max_side: int = MAX_SIDE, near: int = 4
 ) -> st.SearchStrategy[tuple[int, ...]]:
-    """Global tensor shapes with sides 0..``max_side``, so dims smaller than a mesh axis,
-    not divisible by it, and empty all occur."""
+    """Global tensor shapes, weighted towards sides that make uneven pieces on a mesh axis
+    of size ``near``: most sides are 1..2*near+1 (smaller than the axis, not divisible by
+    it, a few pieces each), some are empty (0) or up to ``max_side``; 0-d tensors are rare.
+    Every draw checks values: a shape with a zero side or no dims is never the majority."""
     _check_int("min_ndim", min_ndim, 0)
     _check_int("max_ndim", max_ndim, min_ndim)
     _check_int("max_side", max_side, 0)
-    return _array_shapes(min_ndim, max_ndim, max_side)
+    _check_int("near", near, 1)
+    return _shapes(min_ndim, max_ndim, max_side, min(near, max_side))
+
+
+@cache
+def _mix(*weighted: tuple[int, st.SearchStrategy[Any]]) -> st.SearchStrategy[Any]:
+    """Draw from each strategy with its weight; the first shrinks best (list it first)."""
+    picks = tuple(strategy for weight, strategy in weighted for _ in range(weight))
+    return st.integers(0, len(picks) - 1).flatmap(lambda pick: picks[pick])
+
+
+@cache
+def _shapes(
+    min_ndim: int, max_ndim: int, max_side: int, near: int
+) -> st.SearchStrategy[tuple[int, ...]]:
+    ranks = tuple(range(max(1, min_ndim), max_ndim + 1)) or (min_ndim,)
+    ndim = _mix((9, _sampled(ranks)), (1, _sampled((min_ndim,))))
+    uneven = st.integers(min(1, max_side), min(max_side, 2 * near + 1))
+    side = _mix((16, uneven), (3, st.integers(0, max_side)), (1, st.just(0)))
+    return ndim.flatmap(lambda n: st.tuples(*[side] * n))
 
 
 def dtypes(allowed: Sequence[str] = DTYPES) -> st.SearchStrategy[str]:
@@ -159,7 +186,7 @@ def distribute_cases(draw: st.DrawFn, world_size: int) -> DistributeCase:
     (spec ``placements.distribute.partial_sum_keeps_dtype`` checks that on its own).
     """
     mesh = draw(mesh_shapes(world_size))
-    shape = draw(shapes())
+    shape = draw(shapes(near=max(mesh)))
     dtype = draw(dtypes())
     ops = tuple(op for op in _ops_for(dtype) if not (dtype == "int64" and op == "sum"))
     chosen = draw(placements(len(mesh), len(shape), reduce_ops=ops))
@@ -183,19 +210,29 @@ def redistribute_cases(
     ``Shard`` (a reduce-scatter with ``op``) only when ``op`` is in ``shardable_ops``.
     """
     mesh = draw(mesh_shapes(world_size))
-    shape = draw(shapes())
+    shape = draw(shapes(near=max(mesh)))
     dtype = draw(dtypes())
     ops = tuple(op for op in _ops_for(dtype) if op in reduce_ops)
     src = draw(placements(len(mesh), len(shape), reduce_ops=ops))
-    dst = []
-    for p in src:
-        choices = _axis_choices(len(shape), None)
-        if isinstance(p, Partial):
-            choices += (p,)
-            if p.reduce_op not in shardable_ops:
-                choices = tuple(c for c in choices if not isinstance(c, Shard))
-        dst.append(draw(_sampled(choices)))
+    choices = [_destinations(p, len(shape), shardable_ops) for p in src]
+    dst = [draw(_sampled(c)) for c in choices]
+    if dst == list(src):  # nothing to move: change the first axis that has another choice
+        axis = next((a for a, c in enumerate(choices) if len(c) > 1), None)
+        if axis is not None:
+            others = tuple(c for c in choices[axis] if c != src[axis])
+            dst[axis] = draw(_sampled(others))
     return RedistributeCase(mesh, src, tuple(dst), shape, dtype, draw(seeds()))
+
+
+def _destinations(
+    source: Placement, tensor_ndim: int, shardable_ops: frozenset[str]
+) -> tuple[Placement, ...]:
+    choices = _axis_choices(tensor_ndim, None)
+    if isinstance(source, Partial):
+        choices += (source,)
+        if source.reduce_op not in shardable_ops:
+            choices = tuple(c for c in choices if not isinstance(c, Shard))
+    return choices
 
 
 @_takes_world_size
