@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -43,6 +44,12 @@ def _run(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     results = out / "results.jsonl"
+    for stale in out.glob("results*.jsonl"):  # never summarise an earlier run's records
+        stale.unlink()
+    seed = args.seed
+    if seed is None and args.profile != "ci":  # a random run must still be reproducible
+        seed = random.randrange(2**32)
+        print(f"distconf: hypothesis seed {seed} (reproduce with --seed {seed})")
     pytest_args = [
         *map(str, _suite_files(_split(args.suite))),
         "-p",
@@ -61,30 +68,33 @@ def _run(args: argparse.Namespace) -> int:
         "-W",
         "ignore::pytest.PytestAssertRewriteWarning",
         "-q",
-        *(["--hypothesis-seed", str(args.seed)] if args.seed is not None else []),
+        *(["--hypothesis-seed", str(seed)] if seed is not None else []),
         *args.pytest_args,
     ]
     exit_code = int(pytest.main(pytest_args))
-    if not results.exists():
+    # One file per pytest process: results.jsonl, and results.gwN.jsonl per xdist worker.
+    files = sorted(out.glob("results*.jsonl"))
+    if not files:
         print(
             f"error: no results were written to {results} (pytest exit code {exit_code})",
             file=sys.stderr,
         )
         return exit_code or 3
-    unexpected = summarise(results)
+    unexpected = summarise(files)
     if exit_code == 0 and unexpected:
         return 1
     return exit_code
 
 
-def summarise(path: Path) -> int:
+def summarise(paths: list[Path]) -> int:
     """Print a row per spec (status per world size); return the number of unexpected outcomes."""
-    results = read_results(path)
+    read = {path: read_results(path) for path in paths}
+    tests = [record for results in read.values() for record in results.tests]
     rows: dict[str, dict[Any, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
-    for record in results.tests:
+    for record in tests:
         rows[record.get("spec") or "(no spec)"][record.get("world_size")].append(record)
-    sizes = sorted({r.get("world_size") for r in results.tests}, key=lambda s: (s is None, s))
-    print(f"\ndistconf results: {path}")
+    sizes = sorted({r.get("world_size") for r in tests}, key=lambda s: (s is None, s))
+    print(f"\ndistconf results: {', '.join(map(str, paths))}")
     header = (
         f"{'spec':<48}"
         + "".join(f"{'ws' + str(s):>16}" for s in sizes)
@@ -105,10 +115,11 @@ def summarise(path: Path) -> int:
             seconds += sum(r.get("duration") or 0.0 for r in records)
             cells.append("+".join(statuses) or "-")
         print(f"{spec:<48}" + "".join(f"{c:>16}" for c in cells) + f"{examples:>10}{seconds:>9.1f}")
-    if results.bad_lines:
-        print(f"warning: unreadable lines in {path}: {results.bad_lines}")
-    if results.end is None:
-        print("warning: the run did not finish (no end record): results are partial")
+    for path, results in read.items():
+        if results.bad_lines:
+            print(f"warning: unreadable lines in {path}: {results.bad_lines}")
+        if results.end is None:
+            print(f"warning: {path} has no end record: the run did not finish, results are partial")
     print(f"{unexpected} unexpected outcome(s)")
     return unexpected
 
