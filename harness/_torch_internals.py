@@ -5,7 +5,17 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+# DTensor warns on every redistribute that needs several collectives ("N sequential
+# all_gather operations"), once per rank: advice for model authors, noise in a failure report.
+_CHATTY_LOGGERS = ("torch.distributed.tensor._redistribute",)
+
+
+def quiet_known_warnings() -> None:
+    for name in _CHATTY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def clear_dtensor_plan_caches() -> None:

@@ -60,10 +60,10 @@ def _version(distribution: str) -> str | None:
         return None
 
 
-def git_sha(directory: Path) -> str | None:
+def _git(directory: Path, *args: str) -> str | None:
     try:
         done = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
+            ["git", *args],
             cwd=directory,
             capture_output=True,
             text=True,
@@ -72,9 +72,15 @@ def git_sha(directory: Path) -> str | None:
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
-    if done.returncode != 0:
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def git_sha(directory: Path) -> str | None:
+    """HEAD's SHA, with "+dirty" when the working tree has uncommitted changes."""
+    sha = _git(directory, "rev-parse", "HEAD")
+    if not sha:
         return None
-    return done.stdout.strip() or None
+    return f"{sha}+dirty" if _git(directory, "status", "--porcelain") else sha
 
 
 def environment_stamp(**run: Any) -> dict[str, Any]:

@@ -90,8 +90,10 @@ class _Rank:
     def __init__(self, config: RankConfig) -> None:
         import torch
 
+        from harness import _torch_internals
         from harness.context import RankContext
 
+        _torch_internals.quiet_known_warnings()
         self.config = config
         device = torch.device(config.device)
         if device.type == "cuda":

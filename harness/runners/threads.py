@@ -198,6 +198,7 @@ class ThreadWorld:
 
     def __init__(self, world_size: int, device: str = "cpu", *, timeout: float = 60.0) -> None:
         _threaded_pg.install()
+        _torch_internals.quiet_known_warnings()
         self.world_size, self.device, self.timeout = world_size, device, timeout
         self.calls = 0
         self.generations = 0
