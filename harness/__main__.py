@@ -142,7 +142,9 @@ def _list(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from harness import bench
 
-    return bench.main(args.world_size, args.examples, args.calls, args.runner, args.json)
+    return bench.main(
+        args.what, args.world_size, args.examples, args.calls, args.trials, args.runner, args.json
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -169,11 +171,13 @@ def _parser() -> argparse.ArgumentParser:
         "--catalogue", default=None, help="catalogue file (default: the packaged one)"
     )
     listing.set_defaults(handler=_list)
-    bench = commands.add_parser("bench", help="print examples/s of the placement properties")
-    bench.add_argument("--runner", choices=RUNNERS, default="threads")
-    bench.add_argument("--world-size", type=int, default=4)
+    bench = commands.add_parser("bench", help="print benchmark figures")
+    bench.add_argument("what", nargs="?", choices=("properties", "overhead", "all"), default="all")
+    bench.add_argument("--runner", choices=RUNNERS, default="threads", help="for properties")
+    bench.add_argument("--world-size", type=int, default=4, help="for properties")
     bench.add_argument("--examples", type=int, default=300, help="examples per property")
-    bench.add_argument("--calls", type=int, default=2000, help="trivial world.run calls to time")
+    bench.add_argument("--calls", type=int, default=300, help="world.run calls per row")
+    bench.add_argument("--trials", type=int, default=2, help="spawn-per-check trials per row")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(handler=_bench)
     return parser

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import pytest
 from hypothesis import settings
 
-from harness import catalogue, parity
+from harness import catalogue, gpus, parity
 from harness.results import ResultsWriter, TestRecord, environment_stamp
 from harness.runners import DEVICES, RUNNERS
 
@@ -41,6 +41,7 @@ class WorldKey(NamedTuple):
         return f"{self.runner}-ws{self.world_size}-{self.device}"
 
 
+_parsers: list[pytest.Parser] = []  # to patch xdist's "-n" when it registers after us
 _worlds_key = pytest.StashKey[Any]()
 _writer_key = pytest.StashKey[ResultsWriter | None]()
 _phases_key = pytest.StashKey[dict[str, Any]]()
@@ -77,12 +78,81 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "(TORCH_DISTRIBUTED_DEBUG=DETAIL); the thread runner always checks",
     )
     group.addoption("--distconf-results", default=None, help="write JSONL results to this file")
+    group.addoption(
+        "--gpus-per-worker",
+        dest="distconf_gpus_per_worker",
+        type=int,
+        default=None,
+        help="with -n gpu: GPUs per xdist worker (default: the largest world size on the "
+        "process runner with --device cuda, else 1)",
+    )
+    group.addoption(
+        "--require-gpus",
+        dest="distconf_require_gpus",
+        action="store_true",
+        help="fail, instead of skip, tests that need more GPUs than this process holds "
+        "(a nightly GPU job must not skip everything silently)",
+    )
+    _parsers.append(parser)
+    _accept_gpu_workers(parser)
     parser.addini("distconf_catalogue", "path of the spec catalogue", default=None)
     parser.addini("distconf_suites", "directory holding the conformance suites", default=None)
 
 
+def _accept_gpu_workers(parser: pytest.Parser) -> None:
+    # pytest keeps each option's argparse action on its Argument; xdist's "-n" must accept
+    # "gpu" before its own type conversion runs (at parse time, before any hook sees it).
+    actions = [option._action for group in parser._groups for option in group.options]
+    gpus.patch_numprocesses_option(actions)
+
+
+def pytest_plugin_registered(plugin: object, manager: pytest.PytestPluginManager) -> None:
+    """xdist may register after this plugin: patch its "-n" once it has added it."""
+    for parser in _parsers:
+        _accept_gpu_workers(parser)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """Resolve ``-n gpu`` into one worker per disjoint GPU group, before xdist reads ``-n``."""
+    if getattr(config.option, "numprocesses", None) != gpus.GPU_WORKERS:
+        return
+    per_worker = config.getoption("distconf_gpus_per_worker") or _gpus_per_world(config)
+    groups = gpus.plan_workers(gpus.visible_gpus(), per_worker)
+    if not groups:
+        config.option.numprocesses = 0  # in-process; GPU tests skip and say why
+        return
+    config.option.numprocesses = None
+    config.option.tx = gpus.worker_specs(groups)
+    if config.option.dist == "no":
+        config.option.dist = "load"
+
+
+def _gpus_per_world(config: pytest.Config) -> int:
+    """GPUs one World takes: a GPU per rank on the process runner, one shared by threads."""
+    if config.getoption("distconf_device") != "cuda":
+        return 1
+    if config.getoption("distconf_runner") != "processes":
+        return 1
+    return max(world_sizes(config))
+
+
+def _require_gpus(config: pytest.Config, needed: int, what: str) -> None:
+    held = gpus.gpus_held()
+    if held >= needed:
+        return
+    message = f"{what} needs {needed} GPU(s); this process holds {held}"
+    if config.getoption("distconf_require_gpus"):
+        pytest.fail(f"{message} (--require-gpus)", pytrace=False)
+    pytest.skip(message)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "spec(id): the catalogue spec ID this test checks")
+    config.addinivalue_line("markers", "gpus(n): the test needs n GPUs in this process")
+    config.addinivalue_line(
+        "markers", "runner(*names, reason=...): the runners that can serve this test, and why"
+    )
     config.addinivalue_line(
         "markers",
         "world_size(*sizes, min=None, max=None): world sizes this test can run at",
@@ -180,23 +250,28 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     config = metafunc.config
     runner, device = config.getoption("distconf_runner"), config.getoption("distconf_device")
     configured = world_sizes(config)
-    marker = metafunc.definition.get_closest_marker("world_size")
-    sizes = _sizes_for(marker, configured)
-    if sizes:
-        keys = [WorldKey(runner, size, device) for size in sizes]
-        params = [pytest.param(key, id=key.id) for key in keys]
-    else:
-        assert marker is not None
-        reason = (
-            f"needs a world size allowed by {marker.args or ''}{marker.kwargs or ''}; "
+    sizes_marker = metafunc.definition.get_closest_marker("world_size")
+    sizes = _sizes_for(sizes_marker, configured)
+    skip = _runner_skip(metafunc.definition.get_closest_marker("runner"), runner)
+    if not sizes:
+        assert sizes_marker is not None
+        skip = skip or (
+            f"needs a world size allowed by {sizes_marker.args or ''}{sizes_marker.kwargs or ''}; "
             f"--world-sizes gave {','.join(map(str, configured))}"
         )
-        params = [
-            pytest.param(
-                None, id=f"{runner}-no-size-{device}", marks=pytest.mark.skip(reason=reason)
-            )
-        ]
+        sizes = configured[:1]
+    keys = [WorldKey(runner, size, device) for size in sizes]
+    marks = [pytest.mark.skip(reason=skip)] if skip else []
+    params = [pytest.param(key, id=key.id, marks=marks) for key in keys]
     metafunc.parametrize("world", params, indirect=True, scope="session")
+
+
+def _runner_skip(marker: pytest.Mark | None, runner: str) -> str | None:
+    """Why this runner cannot serve the test (``@pytest.mark.runner("processes", reason=)``)."""
+    if marker is None or runner in marker.args:
+        return None
+    why = marker.kwargs.get("reason", "")
+    return f"needs the {' or '.join(marker.args)} runner{': ' + why if why else ''}"
 
 
 @pytest.fixture(scope="session")
@@ -204,6 +279,9 @@ def world(request: pytest.FixtureRequest) -> Any:
     """The session's World for this test's runner × world size × device."""
     key: WorldKey = request.param
     config = request.config
+    if key.device == "cuda":
+        needed = key.world_size if key.runner == "processes" else 1
+        _require_gpus(config, needed, f"a {key.runner} World of {key.world_size} on cuda")
     if _worlds_key not in config.stash:
         from harness.runners import WorldCache
 
@@ -219,6 +297,9 @@ def world(request: pytest.FixtureRequest) -> Any:
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Before a test reuses a World, check it answers a barrier (it rebuilds itself if not)."""
+    marker = item.get_closest_marker("gpus")
+    if marker is not None:
+        _require_gpus(item.config, int(marker.args[0]), "this test")
     key = getattr(getattr(item, "callspec", None), "params", {}).get("world")
     worlds = item.config.stash.get(_worlds_key, None)
     if isinstance(key, WorldKey) and worlds is not None:

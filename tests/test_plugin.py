@@ -359,3 +359,17 @@ def test_every_outcome_gets_its_own_status(pytester):
     assert "the deviation" in records["test_xfails"]["error"]
     assert records["test_xfails"]["skip_reason"] == "known deviation"
     assert "[XPASS(strict)] fixed upstream?" in records["test_strict_xpass"]["error"]
+
+
+def test_runner_marker_skips_other_runners_visibly(project):
+    _suite(
+        project,
+        GOOD_SUITE.replace(
+            "@pytest.mark.world_size(2, 3)",
+            "@pytest.mark.world_size(2, 3)\n"
+            '@pytest.mark.runner("processes", reason="uses process-global state")',
+        ),
+    )
+    run = project.runpytest_subprocess("-p", "no:cacheprovider", "--world-sizes=2", "-rs")
+    run.assert_outcomes(passed=1, skipped=1)
+    run.stdout.fnmatch_lines(["*needs the processes runner: uses process-global state*"])

@@ -1,0 +1,66 @@
+"""Benchmarks that print figures (never timed assertions): ``python -m harness bench``.
+
+``properties``: examples per second of the placement properties (``properties.py``).
+``overhead``: milliseconds per ``world.run`` for both runners at world sizes 2 and 4, on a
+trivial and on a placement body, against spawning ranks per check (``overhead.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from harness.bench import overhead, properties
+
+
+def run_properties(world_size: int, examples: int, runner: str) -> dict[str, Any]:
+    rows = properties.bench_properties(world_size, examples, runner)
+    print(f"\nproperties: runner={runner}, world size {world_size}")
+    print(f"{'property':<14}{'examples':>10}{'seconds':>10}{'examples/s':>12}")
+    for row in rows:
+        print(
+            f"{row['property']:<14}{row['examples']:>10}{row['seconds']:>10.2f}"
+            f"{row['examples_per_second']:>12.1f}"
+        )
+    examples_run = sum(r["examples"] for r in rows)
+    seconds = sum(r["seconds"] for r in rows)
+    print(f"{'both':<14}{examples_run:>10}{seconds:>10.2f}{examples_run / seconds:>12.1f}")
+    return {"runner": runner, "world_size": world_size, "rows": rows}
+
+
+def run_overhead(world_sizes: list[int], calls: int, trials: int) -> list[dict[str, Any]]:
+    rows = []
+    print("\nworld.run against spawn-per-check (gloo, CPU)")
+    print(f"{'runner':<11}{'ws':>3}{'body':>11}{'ms/call':>10}{'spawn ms':>11}{'ratio':>10}")
+    for world_size in world_sizes:
+        for body in ("trivial", "placement"):
+            spawn_ms = overhead.time_spawn_per_check(world_size, body, trials)
+            for runner in ("threads", "processes"):
+                call_ms = overhead.time_calls(runner, world_size, body, calls)
+                row = {
+                    "runner": runner,
+                    "world_size": world_size,
+                    "body": body,
+                    "ms_per_call": call_ms,
+                    "spawn_ms_per_check": spawn_ms,
+                    "ratio": spawn_ms / call_ms,
+                }
+                rows.append(row)
+                print(
+                    f"{runner:<11}{world_size:>3}{body:>11}{call_ms:>10.3f}"
+                    f"{spawn_ms:>11.0f}{row['ratio']:>9.0f}x"
+                )
+    return rows
+
+
+def main(
+    what: str, world_size: int, examples: int, calls: int, trials: int, runner: str, as_json: bool
+) -> int:
+    report: dict[str, Any] = {}
+    if what in ("properties", "all"):
+        report["properties"] = run_properties(world_size, examples, runner)
+    if what in ("overhead", "all"):
+        report["overhead"] = run_overhead([2, 4], calls, trials)
+    if as_json:
+        print(json.dumps(report))
+    return 0

@@ -1,0 +1,125 @@
+"""GPU leasing for `pytest -n gpu`, tested with a simulated device count."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import gpus
+
+LEASE_PROBE = """
+import os
+import pytest
+
+@pytest.mark.parametrize("i", range(12))
+def test_records_its_lease(i):
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    out = os.path.join(os.environ["LEASE_DIR"], f"lease-{worker}-{i}")
+    with open(out, "w") as handle:
+        handle.write(os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"))
+
+@pytest.mark.gpus(2)
+def test_needs_two():
+    pass
+
+@pytest.mark.gpus(4)
+def test_needs_four():
+    pass
+"""
+
+
+@pytest.fixture
+def probe(pytester, monkeypatch, tmp_path):
+    monkeypatch.setenv("LEASE_DIR", str(tmp_path))
+    pytester.makepyfile(test_probe=LEASE_PROBE)
+    return tmp_path
+
+
+def _leases(directory):
+    """The CUDA_VISIBLE_DEVICES each worker saw, by worker."""
+    by_worker: dict[str, set[str]] = {}
+    for path in directory.glob("lease-*"):
+        worker = path.name.split("-")[1]
+        by_worker.setdefault(worker, set()).add(path.read_text())
+    assert sum(len(v) for v in by_worker.values()) >= 1
+    return by_worker
+
+
+@pytest.mark.parametrize(
+    ("env", "per_worker", "expected"),
+    [
+        ({"DISTCONF_SIMULATED_GPUS": "4"}, 2, {frozenset({"0,1"}), frozenset({"2,3"})}),
+        (
+            {"DISTCONF_SIMULATED_GPUS": "3", "CUDA_VISIBLE_DEVICES": "3,5,7"},
+            1,
+            {frozenset({"3"}), frozenset({"5"}), frozenset({"7"})},
+        ),
+    ],
+)
+def test_each_worker_holds_a_disjoint_group(
+    pytester, monkeypatch, probe, env, per_worker, expected
+):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    run = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-n", "gpu", f"--gpus-per-worker={per_worker}", "-rs"
+    )
+    leases = _leases(probe)
+    assert {frozenset(v) for v in leases.values()} == expected
+    assert "main" not in leases
+    run.stdout.fnmatch_lines([f"*this test needs 4 GPU(s); this process holds {per_worker}*"])
+
+
+def test_without_gpus_it_runs_in_process_and_gpu_tests_skip_visibly(pytester, monkeypatch, probe):
+    monkeypatch.setenv("DISTCONF_SIMULATED_GPUS", "0")
+    run = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "gpu", "-rs")
+    run.assert_outcomes(passed=12, skipped=2)
+    run.stdout.fnmatch_lines(["*this test needs 2 GPU(s); this process holds 0*"])
+    assert set(_leases(probe)) == {"main"}
+
+
+def test_require_gpus_turns_those_skips_into_failures(pytester, monkeypatch, probe):
+    monkeypatch.setenv("DISTCONF_SIMULATED_GPUS", "0")
+    run = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "gpu", "--require-gpus")
+    run.assert_outcomes(passed=12, errors=2)  # failed in setup, before the test ran
+    run.stdout.fnmatch_lines(["*needs 2 GPU(s); this process holds 0 (--require-gpus)*"])
+
+
+def test_cuda_worlds_skip_when_the_process_holds_too_few_gpus(pytester, monkeypatch):
+    monkeypatch.setenv("DISTCONF_SIMULATED_GPUS", "0")
+    pytester.makepyfile(test_w="def test_w(world):\n    pass\n")
+    run = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--device=cuda", "--runner=processes", "--world-sizes=2", "-rs"
+    )
+    run.assert_outcomes(skipped=1)
+    run.stdout.fnmatch_lines(
+        ["*a processes World of 2 on cuda needs 2 GPU(s); this process holds 0*"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("ids", "per_worker", "groups"),
+    [
+        (["0", "1", "2", "3"], 2, [["0", "1"], ["2", "3"]]),
+        (["0", "1", "2"], 2, [["0", "1"]]),
+        (["4", "6"], 4, []),
+        ([], 1, []),
+    ],
+)
+def test_plan_workers_makes_disjoint_whole_groups(ids, per_worker, groups):
+    assert gpus.plan_workers(ids, per_worker) == groups
+
+
+def test_bad_leasing_arguments_name_the_value():
+    with pytest.raises(ValueError, match="per_worker=0 must be a positive int"):
+        gpus.plan_workers(["0"], 0)
+    with pytest.raises(ValueError, match="DISTCONF_SIMULATED_GPUS='two' must be"):
+        gpus.visible_gpus({"DISTCONF_SIMULATED_GPUS": "two"})
+
+
+def test_outer_cuda_visible_devices_is_honoured():
+    env = {"DISTCONF_SIMULATED_GPUS": "2", "CUDA_VISIBLE_DEVICES": "5, 7"}
+    assert gpus.visible_gpus(env) == ["5", "7"]
+    assert gpus.worker_specs([["5"], ["7"]]) == [
+        "popen//env:CUDA_VISIBLE_DEVICES=5",
+        "popen//env:CUDA_VISIBLE_DEVICES=7",
+    ]
