@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import catalogue
-from harness.results import UNEXPECTED, read_results
+from harness.results import UNEXPECTED, is_unexpected, read_results
 from harness.runners import DEVICES, RUNNERS
 
 PROFILES = ("dev", "ci", "nightly")
@@ -110,7 +110,7 @@ def summarise(paths: list[Path]) -> int:
             statuses = sorted(
                 {r["status"] for r in records}, key=lambda s: (s not in UNEXPECTED, s)
             )
-            unexpected += sum(r["status"] in UNEXPECTED for r in records)
+            unexpected += sum(is_unexpected(r) for r in records)
             examples += sum(r.get("examples") or 0 for r in records)
             seconds += sum(r.get("duration") or 0.0 for r in records)
             cells.append("+".join(statuses) or "-")

@@ -88,10 +88,12 @@ def assert_close(
     what: str,
     why: str,
     call: str = "",
+    record_as: str | None = None,
 ) -> ErrorMetrics:
     """``|actual - expected| <= atol + rtol * |expected|`` elementwise; returns the metrics.
 
     ``why`` says why the tolerance is not zero; it is part of the failure message.
+    ``record_as`` keeps the metrics for the report under that name (see ``record``).
     """
     if not (math.isfinite(rtol) and math.isfinite(atol) and rtol >= 0 and atol >= 0):
         raise ValueError(f"rtol={rtol!r} and atol={atol!r} must be finite and >= 0")
@@ -99,6 +101,8 @@ def assert_close(
         tuple(actual.shape), tuple(expected.shape), what=f"shape of {what}", call=call
     )
     metrics = error_metrics(actual, expected, dtype)
+    if record_as is not None:
+        record(record_as, metrics, rtol=rtol, atol=atol)
     a, e = actual.astype(np.float64), expected.astype(np.float64)
     bad = np.abs(a - e) > atol + rtol * np.abs(e)
     if bad.any():
@@ -119,9 +123,11 @@ class ParityLog:
 
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)
 
-    def add(self, name: str, metrics: ErrorMetrics) -> None:
+    def add(self, name: str, metrics: ErrorMetrics, *, rtol: float, atol: float) -> None:
+        """Keep the worst error per name, with the (largest) tolerance it was held to."""
         worst = self.metrics.setdefault(name, {})
-        for key, value in metrics.as_dict().items():
+        values = {**metrics.as_dict(), "rtol": rtol, "atol": atol}
+        for key, value in values.items():
             worst[key] = max(worst.get(key, -math.inf), value)
 
 
@@ -139,7 +145,8 @@ def collecting() -> Iterator[ParityLog]:
         _active = previous
 
 
-def record(name: str, metrics: ErrorMetrics) -> None:
-    """Keep ``metrics`` for the report under ``name``; a no-op outside ``collecting``."""
+def record(name: str, metrics: ErrorMetrics, *, rtol: float, atol: float) -> None:
+    """Keep ``metrics`` (held to ``rtol``/``atol``) for the report under ``name``; a no-op
+    outside ``collecting``."""
     if _active is not None:
-        _active.add(name, metrics)
+        _active.add(name, metrics, rtol=rtol, atol=atol)

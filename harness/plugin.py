@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import shlex
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ import pytest
 from hypothesis import settings
 
 from harness import catalogue, gpus, parity
-from harness.results import ResultsWriter, TestRecord, environment_stamp
+from harness.results import ResultsWriter, TestRecord, accelerator_versions, environment_stamp
 from harness.runners import DEVICES, RUNNERS
 
 DEFAULT_WORLD_SIZES = (1, 2, 3, 4)
@@ -158,7 +159,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "world_size(*sizes, min=None, max=None): world sizes this test can run at",
     )
     _validate_options(config)
-    config.stash[_writer_key] = _open_writer(config)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # Not at configure time: hypothesis loads --hypothesis-profile in its own configure hook.
+    session.config.stash[_writer_key] = _open_writer(session.config)
 
 
 def _validate_options(config: pytest.Config) -> None:
@@ -200,11 +205,35 @@ def _open_writer(config: pytest.Config) -> ResultsWriter | None:
         world_sizes=list(world_sizes(config)),
         device=config.getoption("distconf_device"),
         profile=settings.get_current_profile_name(),
-        seed=config.getoption("hypothesis_seed", default=None),
+        seed=_seed(config),
         derandomize=settings.default.derandomize if settings.default else None,
         max_examples=settings.default.max_examples if settings.default else None,
+        **accelerator_versions(),
     )
     return ResultsWriter(path, header)
+
+
+def _seed(config: pytest.Config) -> str | None:
+    seed = config.getoption("hypothesis_seed", default=None)
+    return None if seed is None else str(seed)
+
+
+def reproduce_command(config: pytest.Config, nodeid: str, key: WorldKey | None) -> str:
+    """A command that re-runs one test on the same World with the same hypothesis settings."""
+    parts = ["python", "-m", "pytest", shlex.quote(nodeid), "-p", "harness.plugin"]
+    if key is not None:
+        parts += [
+            f"--runner={key.runner}",
+            f"--world-sizes={key.world_size}",
+            f"--device={key.device}",
+        ]
+    if config.getoption("distconf_strict_collectives"):
+        parts.append("--strict-collectives")
+    parts.append(f"--hypothesis-profile={settings.get_current_profile_name()}")
+    seed = _seed(config)
+    if seed is not None:
+        parts.append(f"--hypothesis-seed={seed}")
+    return " ".join(parts)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -449,6 +478,7 @@ def _record(item: pytest.Item, phases: dict[str, Any]) -> TestRecord:
     spec_marker = item.get_closest_marker("spec")
     outcome = describe_outcome(phases)
     log = item.stash.get(_parity_key, None)
+    world = key if isinstance(key, WorldKey) else None
     return TestRecord(
         nodeid=item.nodeid,
         spec=str(spec_marker.args[0]) if spec_marker and spec_marker.args else None,
@@ -458,6 +488,9 @@ def _record(item: pytest.Item, phases: dict[str, Any]) -> TestRecord:
         duration=sum(report.duration for report, _ in phases.values()),
         examples=item.stash.get(_examples_key, None),
         metrics=log.metrics if log else {},
+        profile=settings.get_current_profile_name(),
+        seed=_seed(item.config),
+        reproduce=reproduce_command(item.config, item.nodeid, world),
         **outcome,
     )
 

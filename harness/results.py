@@ -1,8 +1,15 @@
 """The results record schema and its JSONL store.
 
-A results file is one JSON object per line: a ``header`` record stamping the environment,
-one ``test`` record per test outcome, and an ``end`` record when the session finished. Every
-record is flushed as it is written, so a run that is interrupted or crashes keeps every
+A results file is one JSON object per line, each with a ``kind``:
+
+- ``header`` (first): ``schema``, ``started``, versions (``python``, ``torch``, ``cuda``,
+  ``nccl``, ``hypothesis``, ``numpy``, ``pytest``, ``distconf``), ``platform``, ``git_sha``
+  (``+dirty`` when uncommitted), ``argv``, and the run's ``runner``, ``world_sizes``,
+  ``device``, ``profile``, ``seed``, ``derandomize``, ``max_examples``.
+- ``test`` (one per test outcome): the fields of ``TestRecord``.
+- ``end`` (last, only when the session finished): ``finished``, ``duration``, ``exitstatus``.
+
+Every record is flushed as it is written, so a run that is interrupted or crashes keeps every
 record written before; a missing ``end`` record tells the reader so.
 """
 
@@ -22,6 +29,16 @@ from typing import Any, TextIO
 SCHEMA = 1
 STATUSES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed", "timeout", "crashed")
 UNEXPECTED = ("failed", "error", "xpassed", "timeout", "crashed")
+
+
+def is_unexpected(record: dict[str, Any]) -> bool:
+    """Whether a test record needs a person: a failure, or a pass where a deviation was
+    expected (except for deviations known to be flaky, which may pass)."""
+    if record.get("status") == "xpassed":
+        return (record.get("expectation") or {}).get("status") != "flaky"
+    return record.get("status") in UNEXPECTED
+
+
 _TEXT_LIMIT = 20_000
 
 
@@ -46,6 +63,15 @@ class TestRecord:
     rank_statuses: dict[int, str] | None = None
     skip_reason: str | None = None
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per comparison name: worst ``max_abs``, ``max_rel``, ``max_ulp`` and the ``rtol``,
+    ``atol`` they were held to."""
+    profile: str | None = None
+    seed: str | None = None
+    reproduce: str | None = None
+    """A shell command that re-runs this test with the same World and hypothesis settings."""
+    expectation: dict[str, Any] | None = None
+    """The known deviation (``specs/expectations``) this test ran under: status, reason, link,
+    source."""
     kind: str = "test"
 
     def __post_init__(self) -> None:
@@ -83,6 +109,17 @@ def git_sha(directory: Path) -> str | None:
     return f"{sha}+dirty" if _git(directory, "status", "--porcelain") else sha
 
 
+def accelerator_versions() -> dict[str, str | None]:
+    """CUDA and NCCL versions of the installed torch (imports torch)."""
+    import torch
+
+    nccl = None
+    if torch.cuda.is_available() and hasattr(torch.cuda, "nccl"):
+        raw = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]
+        nccl = ".".join(map(str, raw)) if isinstance(raw, tuple) else str(raw)
+    return {"cuda": torch.version.cuda, "nccl": nccl}
+
+
 def environment_stamp(**run: Any) -> dict[str, Any]:
     """The header record: versions, platform, git SHA and the run's own settings."""
     return {
@@ -114,6 +151,7 @@ class ResultsWriter:
     def __init__(self, path: Path, header: dict[str, Any]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        self._opened = time.monotonic()
         self._file: TextIO | None = path.open("w", encoding="utf-8")
         self._write(header)
 
@@ -126,7 +164,9 @@ class ResultsWriter:
 
     def close(self, **end: Any) -> None:
         if self._file is not None:
-            self._write({"kind": "end", "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **end})
+            finished = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            duration = round(time.monotonic() - self._opened, 3)
+            self._write({"kind": "end", "finished": finished, "duration": duration, **end})
             self._file.close()
             self._file = None
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from harness import World, parity
+from harness import World
 from harness.cases import MLPCase
 from harness.context import RankContext
 from harness.dtensor import DTensorView, tensor_from, to_numpy, view_of
@@ -177,7 +177,7 @@ def test_fully_shard_grads_match_one_device(world: World, data: st.DataObject) -
             what = f"grad of {name} on rank {rank}"
             _assert_sharded_like(view, reference[name], world.world_size, what, case.call())
             assert view.full is not None
-            metrics = assert_close(
+            assert_close(
                 view.full,
                 reference[name],
                 rtol=rtol,
@@ -186,8 +186,8 @@ def test_fully_shard_grads_match_one_device(world: World, data: st.DataObject) -
                 what=what,
                 why=REASON,
                 call=case.call(),
+                record_as=f"grad/{case.dtype}",
             )
-            parity.record(f"grad/{case.dtype}", metrics)
 
 
 @pytest.mark.spec("uneven.fully_shard.step_parity")
@@ -202,7 +202,7 @@ def test_fully_shard_sgd_step_matches_one_device(world: World, data: st.DataObje
         for name, (view, momentum_shape) in results.items():
             what = f"{name} after one step on rank {rank}"
             assert view.full is not None
-            metrics = assert_close(
+            assert_close(
                 view.full,
                 reference[name],
                 rtol=rtol,
@@ -211,8 +211,8 @@ def test_fully_shard_sgd_step_matches_one_device(world: World, data: st.DataObje
                 what=what,
                 why=REASON,
                 call=case.call(),
+                record_as=f"param/{case.dtype}",
             )
-            parity.record(f"param/{case.dtype}", metrics)
             expected_state = tuple(view.local.shape) if case.momentum else None
             assert_equal_values(
                 momentum_shape,

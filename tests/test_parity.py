@@ -65,7 +65,20 @@ def test_metrics_of_exact_and_empty_arrays_are_zero():
 
 def test_record_keeps_the_worst_value_per_name():
     with parity.collecting() as log:
-        parity.record("grad", parity.ErrorMetrics(1.0, 0.5, 2.0))
-        parity.record("grad", parity.ErrorMetrics(0.5, 0.7, 1.0))
-    assert log.metrics == {"grad": {"max_abs": 1.0, "max_rel": 0.7, "max_ulp": 2.0}}
-    parity.record("ignored outside collecting", parity.ErrorMetrics(0, 0, 0))
+        parity.record("grad", parity.ErrorMetrics(1.0, 0.5, 2.0), rtol=1e-6, atol=0.0)
+        parity.record("grad", parity.ErrorMetrics(0.5, 0.7, 1.0), rtol=1e-5, atol=0.0)
+        parity.assert_close(
+            np.ones(2),
+            np.ones(2),
+            rtol=1e-9,
+            atol=1e-12,
+            dtype="float64",
+            what="w",
+            why="r",
+            record_as="step",
+        )
+    assert log.metrics == {
+        "grad": {"max_abs": 1.0, "max_rel": 0.7, "max_ulp": 2.0, "rtol": 1e-5, "atol": 0.0},
+        "step": {"max_abs": 0.0, "max_rel": 0.0, "max_ulp": 0.0, "rtol": 1e-9, "atol": 1e-12},
+    }
+    parity.record("ignored outside collecting", parity.ErrorMetrics(0, 0, 0), rtol=0, atol=0)
