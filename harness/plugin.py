@@ -13,14 +13,16 @@ import inspect
 import os
 import shlex
 import time
+import warnings
 from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
 from hypothesis import settings
 
-from harness import catalogue, gpus, parity
+from harness import catalogue, expectations, gpus, parity
 from harness.results import ResultsWriter, TestRecord, accelerator_versions, environment_stamp
 from harness.runners import DEVICES, RUNNERS
 
@@ -44,6 +46,7 @@ class WorldKey(NamedTuple):
 
 _parsers: list[pytest.Parser] = []  # to patch xdist's "-n" when it registers after us
 _worlds_key = pytest.StashKey[Any]()
+_expectation_key = pytest.StashKey[dict[str, Any]]()
 _writer_key = pytest.StashKey[ResultsWriter | None]()
 _phases_key = pytest.StashKey[dict[str, Any]]()
 _examples_key = pytest.StashKey[int]()
@@ -98,6 +101,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     _accept_gpu_workers(parser)
     parser.addini("distconf_catalogue", "path of the spec catalogue", default=None)
     parser.addini("distconf_suites", "directory holding the conformance suites", default=None)
+    parser.addini(
+        "distconf_expectations", "directory of known-deviation files (*.toml)", default=None
+    )
 
 
 def _accept_gpu_workers(parser: pytest.Parser) -> None:
@@ -394,6 +400,64 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError(
             "distconf: suites and catalogue disagree:\n" + "\n".join(f"  - {p}" for p in problems)
         )
+    _apply_expectations(config, items, specs, set(modules))
+
+
+def _expectations_dir(config: pytest.Config) -> Path:
+    configured = config.getini("distconf_expectations")
+    return (config.rootpath / configured).resolve() if configured else expectations.DEFAULT_DIR
+
+
+def _apply_expectations(
+    config: pytest.Config,
+    items: list[pytest.Item],
+    specs: dict[str, catalogue.Spec],
+    suites: set[str],
+) -> None:
+    """Mark tests torch is known to fail (``specs/expectations``); warn about entries that
+    matched no test of the suites that ran."""
+    try:
+        entries = expectations.load(_expectations_dir(config))
+        unknown = [
+            f"{e.source}: unknown spec ID {e.spec!r}" for e in entries if e.spec not in specs
+        ]
+        if unknown:
+            raise expectations.ExpectationError("; ".join(unknown))
+        used = {e.source for item in items if (e := _expect(item, entries)) is not None}
+    except expectations.ExpectationError as exc:
+        raise pytest.UsageError(f"distconf: {exc}") from None
+    for entry in entries:
+        if entry.source not in used and specs[entry.spec].suite in suites:
+            warnings.warn(
+                expectations.ExpectationWarning(
+                    f"expectation {entry.source} (spec {entry.spec!r}) matched no test"
+                ),
+                stacklevel=1,
+            )
+
+
+def _expect(item: pytest.Item, entries: list[expectations.Expectation]) -> Any:
+    key = getattr(getattr(item, "callspec", None), "params", {}).get("world")
+    marker = item.get_closest_marker("spec")
+    if not isinstance(key, WorldKey) or marker is None or not marker.args:
+        return None
+    entry = expectations.find(
+        entries,
+        spec=str(marker.args[0]),
+        runner=key.runner,
+        device=key.device,
+        world_size=key.world_size,
+        torch=_torch_version(),
+    )
+    if entry is not None:
+        item.add_marker(expectations.marker_for(entry))
+        item.stash[_expectation_key] = entry.as_record()
+    return entry
+
+
+@functools.cache
+def _torch_version() -> str:
+    return metadata.version("torch")
 
 
 def _marker_problems(
@@ -491,6 +555,7 @@ def _record(item: pytest.Item, phases: dict[str, Any]) -> TestRecord:
         profile=settings.get_current_profile_name(),
         seed=_seed(item.config),
         reproduce=reproduce_command(item.config, item.nodeid, world),
+        expectation=item.stash.get(_expectation_key, None),
         **outcome,
     )
 

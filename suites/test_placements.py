@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -47,13 +46,6 @@ def test_distribute_tensor_matches_model(world: World, data: st.DataObject) -> N
 
 
 @pytest.mark.spec("placements.distribute.partial_sum_keeps_dtype")
-@pytest.mark.xfail(
-    torch.__version__.startswith("2.13."),
-    reason="torch 2.13: distribute_tensor divides an int64 tensor by the axis size for "
-    "Partial('sum') and returns a float32 DTensor",
-    raises=AssertionError,  # the dtype comparison; a harness error must not pass as this
-    strict=True,
-)
 @PROPERTY
 @given(data=st.data())
 def test_distribute_partial_sum_keeps_integer_dtype(world: World, data: st.DataObject) -> None:

@@ -1,0 +1,187 @@
+"""Known deviations of torch from the specs: ``specs/expectations/*.toml``.
+
+Each ``[[expect]]`` entry names a spec ID, the conditions under which torch deviates from it
+(torch version range, runner, device, world size), what to do (``xfail``: the test must
+fail, and passing is reported as an unexpected pass; ``skip``: do not run, for deviations
+that hang or crash; ``flaky``: may fail or pass), why, and an upstream link. A deviation never
+hides a failure without its reason: the reason and link travel into the results record.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import Version
+
+DEFAULT_DIR = Path(__file__).resolve().parent.parent / "specs" / "expectations"
+STATUSES = ("xfail", "skip", "flaky")
+_REQUIRED = ("spec", "status", "reason", "link")
+_CONDITIONS = ("torch", "runner", "device", "world_size")
+_OPTIONAL = (*_CONDITIONS, "raises", "example")
+
+
+class ExpectationError(ValueError):
+    """An expectations file is malformed; the message names the file, entry and field."""
+
+
+@dataclass(frozen=True)
+class Expectation:
+    spec: str
+    status: str
+    reason: str
+    link: str
+    source: str
+    """``file.toml #n``: where the entry is."""
+    torch: SpecifierSet | None = None
+    runner: tuple[str, ...] = ()
+    device: tuple[str, ...] = ()
+    world_size: tuple[int, ...] = ()
+    raises: tuple[str, ...] = ()
+    """Exception class names the deviation shows as; any other failure stays a failure."""
+    example: str = ""
+
+    def matches(self, *, spec: str, runner: str, device: str, world_size: int, torch: str) -> bool:
+        return (
+            spec == self.spec
+            and (self.torch is None or Version(torch) in self.torch)
+            and (not self.runner or runner in self.runner)
+            and (not self.device or device in self.device)
+            and (not self.world_size or world_size in self.world_size)
+        )
+
+    def as_record(self) -> dict[str, Any]:
+        conditions = {
+            "torch": str(self.torch) if self.torch is not None else None,
+            "runner": list(self.runner) or None,
+            "device": list(self.device) or None,
+            "world_size": list(self.world_size) or None,
+        }
+        return {
+            "status": self.status,
+            "reason": self.reason,
+            "link": self.link,
+            "source": self.source,
+            "conditions": {k: v for k, v in conditions.items() if v is not None},
+        }
+
+
+def load(directory: Path = DEFAULT_DIR) -> list[Expectation]:
+    """Every entry of every ``*.toml`` in ``directory`` (none if it does not exist)."""
+    entries: list[Expectation] = []
+    for path in sorted(directory.glob("*.toml")):
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as exc:
+            raise ExpectationError(f"{path}: not valid TOML: {exc}") from None
+        for index, entry in enumerate(data.get("expect", [])):
+            entries.append(_parse(entry, f"{path.name} #{index + 1}"))
+    return entries
+
+
+def _parse(entry: Mapping[str, Any], source: str) -> Expectation:
+    unknown = sorted(set(entry) - {*_REQUIRED, *_OPTIONAL})
+    if unknown:
+        raise ExpectationError(f"{source}: unknown fields {unknown}")
+    missing = [f for f in _REQUIRED if not isinstance(entry.get(f), str) or not entry.get(f)]
+    if missing:
+        raise ExpectationError(f"{source}: needs non-empty string fields {missing}")
+    if entry["status"] not in STATUSES:
+        raise ExpectationError(f"{source}: status={entry['status']!r} must be one of {STATUSES}")
+    return Expectation(
+        spec=entry["spec"],
+        status=entry["status"],
+        reason=entry["reason"],
+        link=entry["link"],
+        source=source,
+        torch=_specifier(entry.get("torch"), source),
+        runner=_strings(entry, "runner", source),
+        device=_strings(entry, "device", source),
+        world_size=_ints(entry, "world_size", source),
+        raises=_strings(entry, "raises", source),
+        example=str(entry.get("example", "")),
+    )
+
+
+def _specifier(value: Any, source: str) -> SpecifierSet | None:
+    if value is None:
+        return None
+    try:
+        return SpecifierSet(str(value))
+    except InvalidSpecifier:
+        raise ExpectationError(
+            f"{source}: torch={value!r} must be a version range such as '>=2.13,<2.14'"
+        ) from None
+
+
+def _strings(entry: Mapping[str, Any], field: str, source: str) -> tuple[str, ...]:
+    value = entry.get(field, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ExpectationError(f"{source}: {field}={value!r} must be a list of strings")
+    return tuple(value)
+
+
+def _ints(entry: Mapping[str, Any], field: str, source: str) -> tuple[int, ...]:
+    value = entry.get(field, [])
+    if not isinstance(value, list) or not all(isinstance(v, int) and v > 0 for v in value):
+        raise ExpectationError(f"{source}: {field}={value!r} must be a list of positive ints")
+    return tuple(value)
+
+
+def find(
+    expectations: Sequence[Expectation],
+    *,
+    spec: str,
+    runner: str,
+    device: str,
+    world_size: int,
+    torch: str,
+) -> Expectation | None:
+    """The entry for one test; two entries matching one test is an error (which wins?)."""
+    found = [
+        e
+        for e in expectations
+        if e.matches(spec=spec, runner=runner, device=device, world_size=world_size, torch=torch)
+    ]
+    if len(found) > 1:
+        sources = ", ".join(e.source for e in found)
+        raise ExpectationError(
+            f"{sources} all match spec {spec!r} on {runner}/{device}/world size "
+            f"{world_size} with torch {torch}: narrow their conditions so one applies"
+        )
+    return found[0] if found else None
+
+
+class ExpectationWarning(UserWarning):
+    """An expectation that matched no test of the suites that ran."""
+
+
+def marker_for(expectation: Expectation) -> Any:
+    """The pytest mark that applies ``expectation`` to a test."""
+    import pytest
+
+    why = f"known deviation ({expectation.source}): {expectation.reason} [{expectation.link}]"
+    if expectation.status == "skip":
+        return pytest.mark.skip(reason=why)
+    raises = tuple(_exception_class(name, expectation.source) for name in expectation.raises)
+    return pytest.mark.xfail(
+        reason=why, strict=expectation.status == "xfail", raises=raises or None
+    )
+
+
+def _exception_class(name: str, source: str) -> type[BaseException]:
+    import builtins
+
+    from harness.runners.base import RankFailure
+
+    known: dict[str, Any] = {"RankFailure": RankFailure}
+    found = known.get(name, getattr(builtins, name, None))
+    if not (isinstance(found, type) and issubclass(found, BaseException)):
+        raise ExpectationError(
+            f"{source}: raises={name!r} is not a builtin exception or RankFailure"
+        )
+    return found

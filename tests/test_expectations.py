@@ -1,0 +1,217 @@
+"""Known deviations: loading, matching, and how they mark tests and records."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from harness import expectations
+
+ENTRY = """
+[[expect]]
+spec = "demo.sum"
+status = "{status}"
+reason = "torch sums twice"
+link = "https://example.invalid/issue/1"
+torch = ">=2.13,<2.14"
+{extra}
+"""
+
+
+def _write(tmp_path, text):
+    (tmp_path / "e.toml").write_text(textwrap.dedent(text))
+    return expectations.load(tmp_path)
+
+
+def test_matching_honours_every_condition(tmp_path):
+    (entry,) = _write(
+        tmp_path, ENTRY.format(status="xfail", extra='runner = ["threads"]\nworld_size = [2]')
+    )
+    match = dict(spec="demo.sum", runner="threads", device="cpu", world_size=2, torch="2.13.0+cpu")
+    assert entry.matches(**match)
+    assert not entry.matches(**{**match, "torch": "2.14.0"})
+    assert not entry.matches(**{**match, "runner": "processes"})
+    assert not entry.matches(**{**match, "world_size": 4})
+    assert not entry.matches(**{**match, "spec": "demo.other"})
+    assert entry.as_record()["conditions"] == {
+        "torch": "<2.14,>=2.13",
+        "runner": ["threads"],
+        "world_size": [2],
+    }
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (ENTRY.format(status="maybe", extra=""), "status='maybe' must be one of"),
+        (ENTRY.format(status="xfail", extra='torch_ver = "1"'), "unknown fields \\['torch_ver'\\]"),
+        (
+            ENTRY.format(status="xfail", extra="").replace(
+                'link = "https://example.invalid/issue/1"', ""
+            ),
+            "needs non-empty string fields \\['link'\\]",
+        ),
+        (
+            ENTRY.format(status="xfail", extra="").replace(">=2.13,<2.14", "two point thirteen"),
+            "torch='two point thirteen' must be a version range",
+        ),
+        (
+            ENTRY.format(status="xfail", extra="world_size = [0]"),
+            "world_size=\\[0\\] must be a list of positive",
+        ),
+        ("[[expect", "not valid TOML"),
+    ],
+)
+def test_malformed_entries_name_file_entry_and_field(tmp_path, text, message):
+    with pytest.raises(expectations.ExpectationError, match=message):
+        _write(tmp_path, text)
+
+
+def test_two_entries_for_one_test_is_an_error(tmp_path):
+    entries = _write(tmp_path, ENTRY.format(status="xfail", extra="") * 2)
+    with pytest.raises(expectations.ExpectationError, match=r"e\.toml #1, e\.toml #2 all match"):
+        expectations.find(
+            entries, spec="demo.sum", runner="threads", device="cpu", world_size=2, torch="2.13.0"
+        )
+
+
+def test_the_shipped_expectations_load_and_name_catalogue_specs():
+    from harness import catalogue
+
+    specs = catalogue.load()
+    entries = expectations.load()
+    assert entries
+    assert all(e.spec in specs and e.link.startswith("https://") for e in entries)
+
+
+CATALOGUE = """
+[[spec]]
+id = "demo.{name}"
+area = "demo"
+suite = "demo"
+statement = "s"
+provenance = "p"
+status = "active"
+"""
+
+SUITE = """
+import pytest
+
+def _sums(ctx):
+    return 1
+
+@pytest.mark.spec("demo.fails")
+def test_fails(world):
+    assert world.run(_sums) == [2] * world.world_size, "torch sums twice"
+
+@pytest.mark.spec("demo.passes")
+def test_passes(world):
+    assert world.run(_sums) == [1] * world.world_size
+
+@pytest.mark.spec("demo.flaky")
+def test_flaky(world):
+    pass
+
+@pytest.mark.spec("demo.hangs")
+def test_hangs(world):
+    raise AssertionError("must not run")
+
+@pytest.mark.spec("demo.wrong")
+def test_wrong_failure(world):
+    raise KeyError("a harness bug, not the deviation")
+"""
+
+EXPECTATIONS = """
+[[expect]]
+spec = "demo.fails"
+status = "xfail"
+reason = "torch sums twice"
+link = "https://example.invalid/1"
+
+[[expect]]
+spec = "demo.passes"
+status = "xfail"
+reason = "was broken in an older torch"
+link = "https://example.invalid/2"
+
+[[expect]]
+spec = "demo.flaky"
+status = "flaky"
+reason = "sometimes"
+link = "https://example.invalid/3"
+
+[[expect]]
+spec = "demo.hangs"
+status = "skip"
+reason = "hangs in all_to_all"
+link = "https://example.invalid/4"
+
+[[expect]]
+spec = "demo.wrong"
+status = "xfail"
+reason = "shows as an AssertionError"
+link = "https://example.invalid/5"
+raises = ["AssertionError"]
+
+[[expect]]
+spec = "demo.fails"
+status = "xfail"
+reason = "only on a runner that does not run here"
+link = "https://example.invalid/6"
+runner = ["processes"]
+"""
+
+
+@pytest.fixture
+def project(pytester):
+    names = ("fails", "passes", "flaky", "hangs", "wrong")
+    pytester.makeini(
+        "[pytest]\ndistconf_catalogue = catalogue.toml\ndistconf_suites = conformance\n"
+        "distconf_expectations = expectations\n"
+    )
+    (pytester.path / "catalogue.toml").write_text("".join(CATALOGUE.format(name=n) for n in names))
+    (pytester.path / "conformance").mkdir()
+    (pytester.path / "conformance" / "test_demo.py").write_text(SUITE)
+    (pytester.path / "expectations").mkdir()
+    (pytester.path / "expectations" / "known.toml").write_text(EXPECTATIONS)
+    return pytester
+
+
+def test_expectations_mark_tests_and_travel_into_records(project):
+    results = project.path / "r.jsonl"
+    run = project.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--world-sizes=2", f"--distconf-results={results}", "-rsxX"
+    )
+    run.assert_outcomes(xfailed=1, failed=2, skipped=1, xpassed=1)
+    run.stdout.fnmatch_lines(["*expectation known.toml #6 (spec 'demo.fails') matched no test*"])
+    records = {
+        r["spec"]: r
+        for line in results.read_text().splitlines()
+        if (r := json.loads(line))["kind"] == "test"
+    }
+    assert records["demo.fails"]["status"] == "xfailed"
+    assert records["demo.fails"]["expectation"]["link"] == "https://example.invalid/1"
+    assert "torch sums twice" in records["demo.fails"]["error"]
+    assert records["demo.passes"]["status"] == "xpassed"  # strict: an unexpected pass
+    assert records["demo.flaky"]["status"] == "xpassed"
+    assert records["demo.flaky"]["expectation"]["status"] == "flaky"
+    assert records["demo.hangs"]["status"] == "skipped"
+    assert "hangs in all_to_all" in records["demo.hangs"]["skip_reason"]
+    assert records["demo.wrong"]["status"] == "failed"  # a KeyError is not the deviation
+    from harness.results import is_unexpected
+
+    assert [s for s, r in sorted(records.items()) if is_unexpected(r)] == [
+        "demo.passes",
+        "demo.wrong",
+    ]
+
+
+def test_an_expectation_for_an_unknown_spec_is_a_usage_error(project):
+    (project.path / "expectations" / "bad.toml").write_text(
+        '[[expect]]\nspec = "demo.nope"\nstatus = "skip"\nreason = "r"\nlink = "https://x.invalid"\n'
+    )
+    run = project.runpytest_subprocess("-p", "no:cacheprovider", "--world-sizes=2")
+    assert run.ret == pytest.ExitCode.USAGE_ERROR
+    run.stderr.fnmatch_lines(["*bad.toml #1: unknown spec ID 'demo.nope'*"])
