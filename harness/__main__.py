@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from harness import catalogue
+from harness.profiles import PROFILES
 from harness.results import UNEXPECTED, is_unexpected, read_results
 from harness.runners import DEVICES, RUNNERS
-
-PROFILES = ("dev", "ci", "nightly")
 
 
 def _suite_files(names: list[str]) -> list[Path]:
@@ -69,6 +68,7 @@ def _run(args: argparse.Namespace) -> int:
         "ignore::pytest.PytestAssertRewriteWarning",
         "-q",
         *(["--hypothesis-seed", str(seed)] if seed is not None else []),
+        *([f"--junitxml={args.junit}", "-o", "junit_family=xunit2"] if args.junit else []),
         *args.pytest_args,
     ]
     exit_code = int(pytest.main(pytest_args))
@@ -164,6 +164,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--rank-timeout", type=float, default=60.0, help="seconds per world.run call")
     run.add_argument("--test-timeout", type=float, default=1800.0, help="seconds per test")
     run.add_argument("--out", default=os.path.join("reports", "latest"), help="output directory")
+    run.add_argument("--junit", default=None, help="also write JUnit XML here (CI annotations)")
     run.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     run.set_defaults(handler=_run)
     listing = commands.add_parser("list", help="print the spec catalogue")

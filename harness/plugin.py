@@ -9,44 +9,27 @@ live under the suites directory nor ask for the ``world`` fixture.
 from __future__ import annotations
 
 import functools
-import inspect
 import os
+import random
 import shlex
 import time
-import warnings
-from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
 from hypothesis import settings
 
-from harness import catalogue, expectations, gpus, parity
+from harness import catalogue, expectations, gpus, parity, suite_checks
+from harness.profiles import PROFILES, SEEDED
 from harness.results import ResultsWriter, TestRecord, accelerator_versions, environment_stamp
-from harness.runners import DEVICES, RUNNERS
+from harness.runners import DEVICES, RUNNERS, WorldKey
 
 DEFAULT_WORLD_SIZES = (1, 2, 3, 4)
-
-# "ci" is hypothesis' own profile (derandomized, no database, no deadline; loaded by
-# hypothesis when it detects CI): distconf does not replace it for every project.
-settings.register_profile("dev", max_examples=10, deadline=None)
-settings.register_profile("nightly", max_examples=1000, deadline=None)
-
-
-class WorldKey(NamedTuple):
-    runner: str
-    world_size: int
-    device: str
-
-    @property
-    def id(self) -> str:
-        return f"{self.runner}-ws{self.world_size}-{self.device}"
 
 
 _parsers: list[pytest.Parser] = []  # to patch xdist's "-n" when it registers after us
 _worlds_key = pytest.StashKey[Any]()
-_expectation_key = pytest.StashKey[dict[str, Any]]()
 _writer_key = pytest.StashKey[ResultsWriter | None]()
 _phases_key = pytest.StashKey[dict[str, Any]]()
 _examples_key = pytest.StashKey[int]()
@@ -82,6 +65,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "(TORCH_DISTRIBUTED_DEBUG=DETAIL); the thread runner always checks",
     )
     group.addoption("--distconf-results", default=None, help="write JSONL results to this file")
+    group.addoption(
+        "--distconf-profile",
+        dest="distconf_profile",
+        default=None,
+        help=f"hypothesis profile, one of {PROFILES}; 'report' draws and records a seed "
+        "when --hypothesis-seed is not given",
+    )
     group.addoption(
         "--gpus-per-worker",
         dest="distconf_gpus_per_worker",
@@ -121,6 +111,24 @@ def pytest_plugin_registered(plugin: object, manager: pytest.PytestPluginManager
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> None:
+    _choose_profile(config)
+    _resolve_gpu_workers(config)
+
+
+def _choose_profile(config: pytest.Config) -> None:
+    """``--distconf-profile``: hand hypothesis its profile (and for 'report' a seed) before
+    hypothesis' own configure hook reads them."""
+    profile = config.getoption("distconf_profile")
+    if profile is None:
+        return
+    if profile not in PROFILES:
+        raise pytest.UsageError(f"--distconf-profile={profile!r} must be one of {PROFILES}")
+    config.option.hypothesis_profile = profile
+    if profile in SEEDED and getattr(config.option, "hypothesis_seed", None) is None:
+        config.option.hypothesis_seed = random.randrange(2**32)
+
+
+def _resolve_gpu_workers(config: pytest.Config) -> None:
     """Resolve ``-n gpu`` into one worker per disjoint GPU group, before xdist reads ``-n``."""
     if getattr(config.option, "numprocesses", None) != gpus.GPU_WORKERS:
         return
@@ -254,6 +262,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 # --- worlds ----------------------------------------------------------------------------
 
 
+def world_key(item: pytest.Item) -> WorldKey | None:
+    """The World a test runs on (its ``world`` parameter), if it asks for one."""
+    key = getattr(getattr(item, "callspec", None), "params", {}).get("world")
+    return key if isinstance(key, WorldKey) else None
+
+
 def _sizes_for(item_marker: pytest.Mark | None, configured: tuple[int, ...]) -> tuple[int, ...]:
     if item_marker is None:
         return configured
@@ -331,52 +345,36 @@ def world(request: pytest.FixtureRequest) -> Any:
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Before a test reuses a World, check it answers a barrier (it rebuilds itself if not)."""
+    """Before a test reuses a World, check it answers a barrier (it rebuilds itself if not).
+
+    Also hands the spec ID and World to pytest's JUnit XML as test properties."""
+    spec = item.get_closest_marker("spec")
+    if spec is not None and spec.args:
+        item.user_properties.append(("spec", str(spec.args[0])))
     marker = item.get_closest_marker("gpus")
     if marker is not None:
         _require_gpus(item.config, int(marker.args[0]), "this test")
-    key = getattr(getattr(item, "callspec", None), "params", {}).get("world")
+    key = world_key(item)
     worlds = item.config.stash.get(_worlds_key, None)
-    if isinstance(key, WorldKey) and worlds is not None:
+    if key is not None and worlds is not None:
         worlds.get(key.runner, key.world_size, key.device).check_health()
 
 
 # --- spec markers against the catalogue --------------------------------------------------
 
 
+def _configured_path(config: pytest.Config, ini: str, default: Path) -> Path:
+    """An ini path relative to the rootdir, or ``default`` (distconf's own files)."""
+    configured = config.getini(ini)
+    return Path(config.rootpath, str(configured)).resolve() if configured else default
+
+
 def _suites_dir(config: pytest.Config) -> Path:
-    configured = config.getini("distconf_suites")
-    return (config.rootpath / configured).resolve() if configured else catalogue.DEFAULT_SUITES
+    return _configured_path(config, "distconf_suites", catalogue.DEFAULT_SUITES)
 
 
 def _catalogue_path(config: pytest.Config) -> Path:
-    configured = config.getini("distconf_catalogue")
-    return (config.rootpath / configured).resolve() if configured else catalogue.DEFAULT_PATH
-
-
-def _marks(obj: Any) -> list[pytest.Mark]:
-    found = getattr(obj, "pytestmark", [])
-    marks: list[Any] = found if isinstance(found, list) else [found]
-    return [m.mark if isinstance(m, pytest.MarkDecorator) else m for m in marks]
-
-
-def _spec_ids(marks: list[pytest.Mark]) -> list[str]:
-    return [str(a) for m in marks if m.name == "spec" for a in m.args]
-
-
-def _module_tests(module: Any) -> Iterator[tuple[str, list[str]]]:
-    """Every test a suite module defines (functions and ``Test*`` classes' methods) with the
-    spec IDs it carries, module and class marks included, whatever was selected to run."""
-    module_marks = _marks(module)
-    for name, obj in vars(module).items():
-        where = f"{module.__name__}.{name}"
-        if inspect.isclass(obj) and name.startswith("Test"):
-            class_marks = module_marks + _marks(obj)
-            for attr, method in vars(obj).items():
-                if attr.startswith("test") and callable(method):
-                    yield f"{where}.{attr}", _spec_ids(class_marks + _marks(method))
-        elif name.startswith("test") and inspect.isfunction(obj):
-            yield where, _spec_ids(module_marks + _marks(obj))
+    return _configured_path(config, "distconf_catalogue", catalogue.DEFAULT_PATH)
 
 
 def _is_suite_item(item: pytest.Item, suites: Path) -> bool:
@@ -394,101 +392,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not modules:
         return
     specs = catalogue.load(_catalogue_path(config))
-    tests = {suite: list(_module_tests(module)) for suite, module in modules.items()}
-    problems = _marker_problems(tests, specs) + _coverage_problems(tests, specs, suites)
+    tests = {suite: list(suite_checks.module_tests(module)) for suite, module in modules.items()}
+    problems = suite_checks.problems(tests, specs, suites)
     if problems:
         raise pytest.UsageError(
             "distconf: suites and catalogue disagree:\n" + "\n".join(f"  - {p}" for p in problems)
         )
-    _apply_expectations(config, items, specs, set(modules))
+    try:
+        suite_checks.apply_expectations(
+            items,
+            expectations.load(_expectations_dir(config)),
+            specs,
+            set(modules),
+            world_of=world_key,
+            torch_version=metadata.version("torch"),
+        )
+    except expectations.ExpectationError as exc:
+        raise pytest.UsageError(f"distconf: {exc}") from None
 
 
 def _expectations_dir(config: pytest.Config) -> Path:
-    configured = config.getini("distconf_expectations")
-    return (config.rootpath / configured).resolve() if configured else expectations.DEFAULT_DIR
-
-
-def _apply_expectations(
-    config: pytest.Config,
-    items: list[pytest.Item],
-    specs: dict[str, catalogue.Spec],
-    suites: set[str],
-) -> None:
-    """Mark tests torch is known to fail (``specs/expectations``); warn about entries that
-    matched no test of the suites that ran."""
-    try:
-        entries = expectations.load(_expectations_dir(config))
-        unknown = [
-            f"{e.source}: unknown spec ID {e.spec!r}" for e in entries if e.spec not in specs
-        ]
-        if unknown:
-            raise expectations.ExpectationError("; ".join(unknown))
-        used = {e.source for item in items if (e := _expect(item, entries)) is not None}
-    except expectations.ExpectationError as exc:
-        raise pytest.UsageError(f"distconf: {exc}") from None
-    for entry in entries:
-        if entry.source not in used and specs[entry.spec].suite in suites:
-            warnings.warn(
-                expectations.ExpectationWarning(
-                    f"expectation {entry.source} (spec {entry.spec!r}) matched no test"
-                ),
-                stacklevel=1,
-            )
-
-
-def _expect(item: pytest.Item, entries: list[expectations.Expectation]) -> Any:
-    key = getattr(getattr(item, "callspec", None), "params", {}).get("world")
-    marker = item.get_closest_marker("spec")
-    if not isinstance(key, WorldKey) or marker is None or not marker.args:
-        return None
-    entry = expectations.find(
-        entries,
-        spec=str(marker.args[0]),
-        runner=key.runner,
-        device=key.device,
-        world_size=key.world_size,
-        torch=_torch_version(),
-    )
-    if entry is not None:
-        item.add_marker(expectations.marker_for(entry))
-        item.stash[_expectation_key] = entry.as_record()
-    return entry
-
-
-@functools.cache
-def _torch_version() -> str:
-    return metadata.version("torch")
-
-
-def _marker_problems(
-    tests: dict[str, list[tuple[str, list[str]]]], specs: dict[str, catalogue.Spec]
-) -> list[str]:
-    problems: list[str] = []
-    for where, ids in (test for module_tests in tests.values() for test in module_tests):
-        if len(ids) != 1:
-            problems.append(f"{where} must carry exactly one spec marker, has {ids!r}")
-        problems += [f"{where} names unknown spec ID {i!r}" for i in ids if i not in specs]
-    return problems
-
-
-def _coverage_problems(
-    tests: dict[str, list[tuple[str, list[str]]]], specs: dict[str, catalogue.Spec], suites: Path
-) -> list[str]:
-    covered = {
-        suite: {i for _, ids in module_tests for i in ids} for suite, module_tests in tests.items()
-    }
-    problems = []
-    for spec in specs.values():
-        if not (suites / f"test_{spec.suite}.py").exists():
-            problems.append(
-                f"spec {spec.id!r} names suite {spec.suite!r}, "
-                f"but test_{spec.suite}.py does not exist"
-            )
-        elif spec.status == "active" and spec.id not in covered.get(spec.suite, {spec.id}):
-            problems.append(
-                f"spec {spec.id!r} is active but no test in test_{spec.suite}.py covers it"
-            )
-    return problems
+    """Configured, or the ``expectations/`` beside the catalogue (deviations from its specs)."""
+    beside = _catalogue_path(config).parent / "expectations"
+    return _configured_path(config, "distconf_expectations", beside)
 
 
 # --- results -----------------------------------------------------------------------------
@@ -538,11 +464,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 def _record(item: pytest.Item, phases: dict[str, Any]) -> TestRecord:
     from harness.outcomes import describe_outcome
 
-    key = getattr(getattr(item, "callspec", None), "params", {}).get("world")
+    key = world = world_key(item)
     spec_marker = item.get_closest_marker("spec")
     outcome = describe_outcome(phases)
     log = item.stash.get(_parity_key, None)
-    world = key if isinstance(key, WorldKey) else None
     return TestRecord(
         nodeid=item.nodeid,
         spec=str(spec_marker.args[0]) if spec_marker and spec_marker.args else None,
@@ -555,7 +480,7 @@ def _record(item: pytest.Item, phases: dict[str, Any]) -> TestRecord:
         profile=settings.get_current_profile_name(),
         seed=_seed(item.config),
         reproduce=reproduce_command(item.config, item.nodeid, world),
-        expectation=item.stash.get(_expectation_key, None),
+        expectation=item.stash.get(suite_checks.EXPECTATION_KEY, None),
         **outcome,
     )
 

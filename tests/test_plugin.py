@@ -373,3 +373,27 @@ def test_runner_marker_skips_other_runners_visibly(project):
     run = project.runpytest_subprocess("-p", "no:cacheprovider", "--world-sizes=2", "-rs")
     run.assert_outcomes(passed=1, skipped=1)
     run.stdout.fnmatch_lines(["*needs the processes runner: uses process-global state*"])
+
+
+def test_report_profile_runs_with_a_recorded_seed(project):
+    _suite(project, GOOD_SUITE)
+    results = project.path / "r.jsonl"
+    run = project.runpytest_subprocess(
+        "-p",
+        "no:cacheprovider",
+        "--world-sizes=2",
+        "--distconf-profile=report",
+        f"--distconf-results={results}",
+    )
+    run.assert_outcomes(passed=2)
+    header, *tests, _end = _records(results)
+    assert header["profile"] == "report" and header["seed"].isdigit()
+    assert all(t["seed"] == header["seed"] and t["profile"] == "report" for t in tests)
+    assert all(f"--hypothesis-seed={header['seed']}" in t["reproduce"] for t in tests)
+
+
+def test_unknown_distconf_profile_is_a_usage_error(project):
+    _suite(project, GOOD_SUITE)
+    run = project.runpytest_subprocess("-p", "no:cacheprovider", "--distconf-profile=fast")
+    assert run.ret == pytest.ExitCode.USAGE_ERROR
+    run.stderr.fnmatch_lines(["*--distconf-profile='fast' must be one of*"])

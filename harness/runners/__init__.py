@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import NamedTuple
 
 from harness.runners.base import (
     AllRanksSkipped,
@@ -15,6 +16,20 @@ from harness.runners.base import (
 )
 
 RUNNERS = ("threads", "processes")
+
+
+class WorldKey(NamedTuple):
+    """Which World: runner × world size × device."""
+
+    runner: str
+    world_size: int
+    device: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.runner}-ws{self.world_size}-{self.device}"
+
+
 DEVICES = ("cpu", "cuda")
 
 __all__ = [
@@ -25,6 +40,7 @@ __all__ = [
     "RankOutcome",
     "World",
     "WorldCache",
+    "WorldKey",
     "WorldStartError",
     "make_world",
     "open_world",
@@ -95,10 +111,10 @@ class WorldCache:
 
     def __init__(self, *, timeout: float = 60.0, strict_collectives: bool = False) -> None:
         self.timeout, self.strict_collectives = timeout, strict_collectives
-        self._worlds: dict[tuple[str, int, str], World] = {}
+        self._worlds: dict[WorldKey, World] = {}
 
     def get(self, runner: str, world_size: int, device: str) -> World:
-        key = (runner, world_size, device)
+        key = WorldKey(runner, world_size, device)
         if key not in self._worlds:
             self._worlds[key] = make_world(
                 runner,

@@ -1,0 +1,124 @@
+"""What the plugin checks and marks at collection: spec markers against the catalogue, and
+known deviations (``specs/expectations``) applied to the tests they match."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness import catalogue, expectations
+from harness.runners import WorldKey
+
+EXPECTATION_KEY = pytest.StashKey[dict[str, Any]]()
+Tests = dict[str, list[tuple[str, list[str]]]]
+"""Per suite name: every test it defines, with the spec IDs it carries."""
+
+
+def _marks(obj: Any) -> list[pytest.Mark]:
+    found = getattr(obj, "pytestmark", [])
+    marks: list[Any] = found if isinstance(found, list) else [found]
+    return [m.mark if isinstance(m, pytest.MarkDecorator) else m for m in marks]
+
+
+def _spec_ids(marks: list[pytest.Mark]) -> list[str]:
+    return [str(a) for m in marks if m.name == "spec" for a in m.args]
+
+
+def module_tests(module: Any) -> Iterator[tuple[str, list[str]]]:
+    """Every test a suite module defines (functions and ``Test*`` classes' methods) with the
+    spec IDs it carries, module and class marks included, whatever was selected to run."""
+    module_marks = _marks(module)
+    for name, obj in vars(module).items():
+        where = f"{module.__name__}.{name}"
+        if inspect.isclass(obj) and name.startswith("Test"):
+            class_marks = module_marks + _marks(obj)
+            for attr, method in vars(obj).items():
+                if attr.startswith("test") and callable(method):
+                    yield f"{where}.{attr}", _spec_ids(class_marks + _marks(method))
+        elif name.startswith("test") and inspect.isfunction(obj):
+            yield where, _spec_ids(module_marks + _marks(obj))
+
+
+def problems(tests: Tests, specs: dict[str, catalogue.Spec], suites: Path) -> list[str]:
+    """Tests without exactly one known spec ID, and active specs no test covers."""
+    return _marker_problems(tests, specs) + _coverage_problems(tests, specs, suites)
+
+
+def _marker_problems(tests: Tests, specs: dict[str, catalogue.Spec]) -> list[str]:
+    found: list[str] = []
+    for where, ids in (test for module_tests in tests.values() for test in module_tests):
+        if len(ids) != 1:
+            found.append(f"{where} must carry exactly one spec marker, has {ids!r}")
+        found += [f"{where} names unknown spec ID {i!r}" for i in ids if i not in specs]
+    return found
+
+
+def _coverage_problems(tests: Tests, specs: dict[str, catalogue.Spec], suites: Path) -> list[str]:
+    covered = {suite: {i for _, ids in listed for i in ids} for suite, listed in tests.items()}
+    found = []
+    for spec in specs.values():
+        if not (suites / f"test_{spec.suite}.py").exists():
+            found.append(
+                f"spec {spec.id!r} names suite {spec.suite!r}, "
+                f"but test_{spec.suite}.py does not exist"
+            )
+        elif spec.status == "active" and spec.id not in covered.get(spec.suite, {spec.id}):
+            found.append(
+                f"spec {spec.id!r} is active but no test in test_{spec.suite}.py covers it"
+            )
+    return found
+
+
+def apply_expectations(
+    items: list[pytest.Item],
+    entries: list[expectations.Expectation],
+    specs: dict[str, catalogue.Spec],
+    suites: set[str],
+    *,
+    world_of: Callable[[pytest.Item], WorldKey | None],
+    torch_version: str,
+) -> None:
+    """Mark the tests torch is known to fail; warn about entries that matched no test of the
+    suites that ran. Raises ``ExpectationError`` for an entry naming an unknown spec."""
+    unknown = [f"{e.source}: unknown spec ID {e.spec!r}" for e in entries if e.spec not in specs]
+    if unknown:
+        raise expectations.ExpectationError("; ".join(unknown))
+    used = set()
+    for item in items:
+        entry = _expectation_for(item, entries, world_of(item), torch_version)
+        if entry is not None:
+            item.add_marker(expectations.marker_for(entry))
+            item.stash[EXPECTATION_KEY] = entry.as_record()
+            used.add(entry.source)
+    for entry in entries:
+        if entry.source not in used and specs[entry.spec].suite in suites:
+            warnings.warn(
+                expectations.ExpectationWarning(
+                    f"expectation {entry.source} (spec {entry.spec!r}) matched no test"
+                ),
+                stacklevel=1,
+            )
+
+
+def _expectation_for(
+    item: pytest.Item,
+    entries: list[expectations.Expectation],
+    key: WorldKey | None,
+    torch_version: str,
+) -> expectations.Expectation | None:
+    marker = item.get_closest_marker("spec")
+    if key is None or marker is None or not marker.args:
+        return None
+    return expectations.find(
+        entries,
+        spec=str(marker.args[0]),
+        runner=key.runner,
+        device=key.device,
+        world_size=key.world_size,
+        torch=torch_version,
+    )
