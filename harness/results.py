@@ -186,27 +186,34 @@ class Results:
     tests: list[dict[str, Any]]
     end: dict[str, Any] | None
     bad_lines: list[int]
+    replaced_bytes: bool = False
+    """Some bytes were not UTF-8 and were read as U+FFFD."""
 
 
 def read_results(path: Path) -> Results:
-    """Read ``path``; lines that are not JSON records are reported, not fatal."""
+    """Read ``path``; lines that are not JSON records are reported, not fatal, and bytes that
+    are not UTF-8 are replaced (and reported) rather than stopping the read."""
+    raw = path.read_bytes()
+    try:
+        text, replaced = raw.decode("utf-8"), False
+    except UnicodeDecodeError:
+        text, replaced = raw.decode("utf-8", errors="replace"), True
     header, end, tests, bad = None, None, [], []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                bad.append(number)
-                continue
-            kind = record.get("kind") if isinstance(record, dict) else None
-            if kind == "header":
-                header = record
-            elif kind == "end":
-                end = record
-            elif kind == "test":
-                tests.append(record)
-            else:
-                bad.append(number)
-    return Results(header, tests, end, bad)
+    for number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            bad.append(number)
+            continue
+        kind = record.get("kind") if isinstance(record, dict) else None
+        if kind == "header":
+            header = record
+        elif kind == "end":
+            end = record
+        elif kind == "test":
+            tests.append(record)
+        else:
+            bad.append(number)
+    return Results(header, tests, end, bad, replaced)

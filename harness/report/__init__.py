@@ -1,0 +1,12 @@
+"""The HTML report of distconf results: ``render_report(results, output)``.
+
+Self-contained (inline CSS and SVG, no scripts, no network), rendered from results files
+only. Data shaping lives in ``records`` (reading), ``model`` (summary, matrix, failures),
+``parity`` (error metrics and their chart) and ``compare`` (a baseline run); ``render``
+lays it out with the templates of ``templates/``.
+"""
+
+from harness.report.records import ReportError
+from harness.report.render import build_page, render_report
+
+__all__ = ["ReportError", "build_page", "render_report"]

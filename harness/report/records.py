@@ -1,0 +1,275 @@
+"""Read results files into typed, normalised records.
+
+Results files are written by other processes and may be truncated, corrupt or from another
+version of distconf: nothing here trusts a field's type. Every problem becomes a warning that
+names the file (and the lines), never an exception, except a file that does not exist.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.results import STATUSES, Results, is_unexpected, read_results
+
+
+class ReportError(ValueError):
+    """The report cannot be made: a results file is missing, or no test ran."""
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One comparison of distributed against reference values (``parity``)."""
+
+    name: str
+    max_abs: float
+    max_rel: float
+    max_ulp: float | None
+    rtol: float | None
+    atol: float | None
+
+    @property
+    def within(self) -> bool:
+        """Whether the error is inside the tolerance it was held to (abs or rel)."""
+        if self.rtol is None and self.atol is None:
+            return True
+        return (self.atol is not None and self.max_abs <= self.atol) or (
+            self.rtol is not None and self.max_rel <= self.rtol
+        )
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """The known deviation a test ran under (``specs/expectations``)."""
+
+    status: str
+    reason: str
+    link: str | None
+    source: str | None
+
+    @property
+    def href(self) -> str | None:
+        """The link, only when it is a plain web address (never ``javascript:`` and co.)."""
+        if self.link and self.link.startswith(("https://", "http://")):
+            return self.link
+        return None
+
+
+@dataclass(frozen=True)
+class Record:
+    """One test record, its fields typed; ``source`` names the file it came from."""
+
+    nodeid: str
+    spec: str | None
+    runner: str
+    world_size: int | None
+    device: str
+    status: str
+    unexpected: bool
+    duration: float | None
+    examples: int | None
+    falsifying_example: str | None
+    error: str | None
+    traceback: str | None
+    primary_rank: int | None
+    rank_statuses: tuple[tuple[int, str], ...]
+    skip_reason: str | None
+    metrics: tuple[Metric, ...]
+    reproduce: str | None
+    expectation: Expectation | None
+    source: str
+
+    @property
+    def column(self) -> tuple[str, int | None, str]:
+        return (self.runner, self.world_size, self.device)
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One results file as read: its header and end records and what was wrong with it."""
+
+    path: str
+    header: Mapping[str, Any] | None
+    end: Mapping[str, Any] | None
+    tests: int
+    bad_lines: tuple[int, ...]
+    replaced_bytes: bool
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """Every record of one run (one or more files) and the warnings about its files."""
+
+    files: tuple[SourceFile, ...]
+    records: tuple[Record, ...]
+    warnings: tuple[str, ...]
+
+
+def text(value: Any) -> str | None:
+    """A field as text: strings as they are, other JSON values as JSON, null as None."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False, default=str)
+
+
+def _int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    return None
+
+
+def _float(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _metrics(value: Any) -> tuple[Metric, ...]:
+    if not isinstance(value, Mapping):
+        return ()
+    metrics = []
+    for name, fields in value.items():
+        if not isinstance(fields, Mapping):
+            continue
+        max_abs, max_rel = _float(fields.get("max_abs")), _float(fields.get("max_rel"))
+        if max_abs is None or max_rel is None:
+            continue
+        metrics.append(
+            Metric(
+                name=str(name),
+                max_abs=max_abs,
+                max_rel=max_rel,
+                max_ulp=_float(fields.get("max_ulp")),
+                rtol=_float(fields.get("rtol")),
+                atol=_float(fields.get("atol")),
+            )
+        )
+    return tuple(metrics)
+
+
+def _rank_statuses(value: Any) -> tuple[tuple[int, str], ...]:
+    if not isinstance(value, Mapping):
+        return ()
+    pairs = [(_int(rank), str(status)) for rank, status in value.items()]
+    return tuple(sorted((rank, status) for rank, status in pairs if rank is not None))
+
+
+def _expectation(value: Any) -> Expectation | None:
+    if not isinstance(value, Mapping):
+        return None
+    return Expectation(
+        status=text(value.get("status")) or "?",
+        reason=text(value.get("reason")) or "",
+        link=text(value.get("link")),
+        source=text(value.get("source")),
+    )
+
+
+def normalise(raw: Mapping[str, Any], source: str) -> tuple[Record, str | None]:
+    """The typed record, and a warning when its status is not one distconf writes."""
+    status, warning = raw.get("status"), None
+    if status not in STATUSES:
+        warning = (
+            f"{source}: test {text(raw.get('nodeid'))!r} has status {text(status)!r}, which is"
+            f" not one of {', '.join(STATUSES)}; it is counted as an error"
+        )
+        status = "error"
+    record = Record(
+        nodeid=text(raw.get("nodeid")) or "(no node id)",
+        spec=text(raw.get("spec")),
+        runner=text(raw.get("runner")) or "?",
+        world_size=_int(raw.get("world_size")),
+        device=text(raw.get("device")) or "?",
+        status=str(status),
+        unexpected=is_unexpected({**raw, "status": status}),
+        duration=_float(raw.get("duration")),
+        examples=_int(raw.get("examples")),
+        falsifying_example=text(raw.get("falsifying_example")),
+        error=text(raw.get("error")),
+        traceback=text(raw.get("traceback")),
+        primary_rank=_int(raw.get("primary_rank")),
+        rank_statuses=_rank_statuses(raw.get("rank_statuses")),
+        skip_reason=text(raw.get("skip_reason")),
+        metrics=_metrics(raw.get("metrics")),
+        reproduce=text(raw.get("reproduce")),
+        expectation=_expectation(raw.get("expectation")),
+        source=source,
+    )
+    return record, warning
+
+
+def expand(paths: Sequence[Path]) -> list[Path]:
+    """The files named, a directory standing for its ``results*.jsonl``; missing → error."""
+    files: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            found = sorted(path.glob("results*.jsonl"))
+            if not found:
+                raise ReportError(f"results directory {str(path)!r} holds no results*.jsonl")
+            files += found
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise ReportError(f"results file {str(path)!r} does not exist")
+    return list(dict.fromkeys(files))
+
+
+def _read(path: Path) -> Results:
+    try:
+        return read_results(path)
+    except OSError as exc:
+        raise ReportError(f"results file {str(path)!r} cannot be read: {exc}") from None
+
+
+def _file_warnings(source: SourceFile) -> list[str]:
+    warnings = []
+    if source.bad_lines:
+        lines = ", ".join(map(str, source.bad_lines))
+        warnings.append(
+            f"{source.path}: line{'s' if len(source.bad_lines) > 1 else ''} {lines} "
+            "could not be read (truncated or corrupt); the records on them are missing here"
+        )
+    if source.replaced_bytes:
+        warnings.append(f"{source.path}: bytes that are not UTF-8 were replaced")
+    if source.header is None:
+        warnings.append(f"{source.path}: no header record; its versions and settings are unknown")
+    if source.end is None:
+        warnings.append(
+            f"{source.path}: no end record: the run did not finish, results are partial"
+        )
+    return warnings
+
+
+def load(paths: Sequence[Path]) -> Loaded:
+    """Every record of the files (or directories) in ``paths``, with warnings."""
+    files, records, warnings = [], [], []
+    for path in expand(paths):
+        results = _read(path)
+        source = SourceFile(
+            path=str(path),
+            header=results.header,
+            end=results.end,
+            tests=len(results.tests),
+            bad_lines=tuple(results.bad_lines),
+            replaced_bytes=results.replaced_bytes,
+        )
+        files.append(source)
+        warnings += _file_warnings(source)
+        for raw in results.tests:
+            record, warning = normalise(raw, source.path)
+            records.append(record)
+            if warning:
+                warnings.append(warning)
+    if not records:
+        names = ", ".join(f.path for f in files)
+        raise ReportError(f"no test records in {names}: nothing ran, so there is nothing to report")
+    return Loaded(tuple(files), tuple(records), tuple(warnings))

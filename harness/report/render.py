@@ -1,0 +1,99 @@
+"""Render a report: read the results, shape them (``model``, ``parity``, ``compare``) and
+lay them out with the Jinja2 templates of ``templates/`` (autoescaped: every string from a
+result is escaped; no template marks result data safe)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+from harness import catalogue
+from harness.report import compare, model, parity, records
+from harness.report.records import ReportError
+
+
+@dataclass(frozen=True)
+class Page:
+    title: str
+    report: model.Report
+    parity: parity.Parity | None
+    comparison: compare.Comparison | None
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "—"
+    return f"{value:.2f} s" if value < 60 else f"{value / 60:.1f} min"
+
+
+def environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("harness.report", "templates"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+    env.filters["num"] = parity.fmt
+    env.filters["seconds"] = _seconds
+    env.globals["TITLES"] = model.TITLES
+    return env
+
+
+def _catalogue(path: Path | None) -> dict[str, catalogue.Spec]:
+    try:
+        return catalogue.load(path or catalogue.DEFAULT_PATH)
+    except catalogue.CatalogueError as exc:
+        raise ReportError(str(exc)) from None
+
+
+def _title(report: model.Report) -> str:
+    facts = {f.label: f.shown for f in report.facts}
+    sha = facts.get("git SHA", "—")[:12]
+    return f"distconf report · torch {facts.get('torch', '—')} · {sha}"
+
+
+def build_page(
+    results: Sequence[Path],
+    *,
+    baseline: Sequence[Path] = (),
+    catalogue_path: Path | None = None,
+    match: compare.Match = "auto",
+) -> Page:
+    """Everything the page shows, without HTML (for tests and other front ends)."""
+    if not results:
+        raise ReportError("no results files given")
+    loaded = records.load(results)
+    specs = _catalogue(catalogue_path)
+    report = model.build(loaded, specs)
+    comparison = None
+    if baseline:
+        comparison = compare.compare(loaded, records.load(baseline), report.anchors, match)
+    return Page(_title(report), report, parity.parity(loaded.records), comparison)
+
+
+def render_page(page: Page) -> str:
+    return environment().get_template("report.html.j2").render(page=page)
+
+
+def render_report(
+    results: Sequence[Path],
+    output: Path,
+    *,
+    baseline: Sequence[Path] = (),
+    catalogue_path: Path | None = None,
+    match: compare.Match = "auto",
+) -> Path:
+    """Write the HTML report of ``results`` (files, or directories of ``results*.jsonl``)
+    to ``output`` and return its path. ``baseline`` adds a comparison with another run;
+    ``match`` says how its records pair up (see ``harness.report.compare``).
+
+    Raises ``ReportError`` when a file is missing or no test record was found."""
+    page = build_page(results, baseline=baseline, catalogue_path=catalogue_path, match=match)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(render_page(page), encoding="utf-8")
+    return output
