@@ -1,11 +1,20 @@
-"""nox sessions for distconf. Every session pins torch==2.13.0 (a local CPU wheel); an
-unpinned torch would download several GB of CUDA packages."""
+"""nox sessions for distconf.
+
+Every default session pins torch==2.13.0, which pip installs from a local CPU wheel here; an
+unpinned torch (or any other version) downloads several GB of CUDA packages. Only the opt-in
+``torch`` session installs other versions, and it says so.
+"""
 
 from __future__ import annotations
+
+import glob
+import os
+import shutil
 
 import nox
 
 TORCH = "torch==2.13.0"
+REPORTS = "reports"
 nox.options.sessions = ["tests", "lint", "typecheck"]
 nox.options.reuse_existing_virtualenvs = True
 
@@ -19,14 +28,96 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def conformance(session: nox.Session) -> None:
-    """The conformance suites on the thread runner, CPU; results under reports/conformance."""
+    """The suites on the thread and the process runner, CPU; one report under reports/."""
     session.install(TORCH, "-e", ".")
-    session.run("python", "-m", "harness", "run", "--out", "reports/conformance", *session.posargs)
+    out = os.path.join(REPORTS, "conformance")
+    for runner in ("threads", "processes"):
+        session.run(
+            "python",
+            "-m",
+            "harness",
+            "run",
+            "--runner",
+            runner,
+            "--out",
+            os.path.join(out, runner),
+            *session.posargs,
+        )
+    _render(session, os.path.join(out, "report.html"), os.path.join(out, "*", "results*.jsonl"))
+
+
+@nox.session
+def gpu(session: nox.Session) -> None:
+    """The suites on CUDA: threads sharing one GPU, then nccl processes with a GPU per rank.
+
+    Skips, saying so, where no GPU is visible; a GPU job that must not skip passes
+    ``-- --require-gpus``.
+    """
+    session.install(TORCH, "-e", ".[dev]")
+    count = session.run(
+        "python", "-c", "import torch; print(torch.cuda.device_count())", silent=True
+    )
+    if not count or int(str(count).strip().splitlines()[-1]) == 0:
+        session.skip("no CUDA GPU is visible (torch.cuda.device_count() == 0)")
+    out = os.path.join(REPORTS, "gpu")
+    for runner in ("threads", "processes"):
+        session.run(
+            "python",
+            "-m",
+            "harness",
+            "run",
+            "--runner",
+            runner,
+            "--device",
+            "cuda",
+            "--out",
+            os.path.join(out, runner),
+            *session.posargs,
+        )
+    _render(session, os.path.join(out, "report.html"), os.path.join(out, "*", "results*.jsonl"))
+
+
+@nox.session
+def report(session: nox.Session) -> None:
+    """Render a report from results files: ``nox -s report -- RESULTS... [-o FILE.html]``."""
+    session.install(TORCH, "-e", ".")
+    args = session.posargs or [os.path.join(REPORTS, "latest", "results.jsonl")]
+    session.run("python", "-m", "harness", "report", *args)
+
+
+@nox.session
+def browser(session: nox.Session) -> None:
+    """Render the fixture report and screenshot it in headless Chromium (Debian's chromium)."""
+    if shutil.which("chromium") is None:
+        session.error("chromium is not installed: apt-get install chromium")
+    session.install(TORCH, "-e", ".")
+    html = os.path.join(REPORTS, "fixture-report.html")
+    fixtures = os.path.join("tests", "fixtures", "report")
+    session.run(
+        "python",
+        "-m",
+        "harness",
+        "report",
+        fixtures,
+        "--baseline",
+        os.path.join(fixtures, "baseline"),
+        "--catalogue",
+        os.path.join(fixtures, "catalogue.toml"),
+        "-o",
+        html,
+    )
+    session.run(
+        "python",
+        "-m",
+        "harness.report.screenshot",
+        html,
+        os.path.join(REPORTS, "fixture-report.png"),
+    )
 
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Examples per second of the placement properties at world size 4."""
+    """Benchmark figures: examples/s of the properties, world.run against spawn-per-check."""
     session.install(TORCH, "-e", ".")
     session.run("python", "-m", "harness", "bench", *session.posargs)
 
@@ -42,3 +133,28 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     session.install(TORCH, "-e", ".[dev]")
     session.run("mypy")
+
+
+@nox.session(default=False)
+@nox.parametrize("version", ["2.13.0", "2.14.0", "nightly"])
+def torch(session: nox.Session, version: str) -> None:
+    """Opt-in: the conformance run on another torch. Anything but 2.13.0 is downloaded from
+    the registry with its CUDA packages (several GB)."""
+    if version != "2.13.0":
+        session.warn(f"torch {version} is not the local CPU wheel: pip downloads several GB")
+    if version == "nightly":
+        session.install(
+            "--pre", "torch", "--index-url", "https://download.pytorch.org/whl/nightly/cpu"
+        )
+    else:
+        session.install(f"torch=={version}")
+    session.install("-e", ".")
+    out = os.path.join(REPORTS, f"torch-{version}")
+    session.run("python", "-m", "harness", "run", "--out", out, *session.posargs)
+
+
+def _render(session: nox.Session, html: str, pattern: str) -> None:
+    files = sorted(glob.glob(pattern))
+    if not files:
+        session.error(f"no results match {pattern}")
+    session.run("python", "-m", "harness", "report", *files, "-o", html)

@@ -81,9 +81,40 @@ def _run(args: argparse.Namespace) -> int:
         )
         return exit_code or 3
     unexpected = summarise(files)
-    if exit_code == 0 and unexpected:
+    report_code = _write_report(files, out / "report.html")
+    if exit_code == 0 and (unexpected or report_code):
         return 1
     return exit_code
+
+
+def _write_report(files: list[Path], html: Path) -> int:
+    from harness.report import ReportError, render_report
+
+    try:
+        render_report(files, html)
+    except ReportError as exc:
+        print(f"error: no report: {exc}", file=sys.stderr)
+        return 1
+    print(f"report: {html}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from harness.report import ReportError, render_report
+
+    try:
+        html = render_report(
+            [Path(p) for p in args.results],
+            Path(args.output),
+            baseline=[Path(p) for p in args.baseline],
+            catalogue_path=Path(args.catalogue) if args.catalogue else None,
+            match=args.match,
+        )
+    except ReportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"report: {html}")
+    return 0
 
 
 def summarise(paths: list[Path]) -> int:
@@ -172,6 +203,21 @@ def _parser() -> argparse.ArgumentParser:
         "--catalogue", default=None, help="catalogue file (default: the packaged one)"
     )
     listing.set_defaults(handler=_list)
+    report = commands.add_parser("report", help="render results as a self-contained HTML page")
+    report.add_argument("results", nargs="+", help="results files (or directories of them)")
+    report.add_argument("-o", "--output", default=os.path.join("reports", "report.html"))
+    report.add_argument(
+        "--baseline", action="append", default=[], help="results of another run to compare with"
+    )
+    report.add_argument(
+        "--match",
+        choices=("auto", "exact", "spec"),
+        default="auto",
+        help="pair baseline records by spec+runner+device+world size (exact), by spec+world "
+        "size (spec, for thread vs process or CPU vs CUDA runs), or pick (auto)",
+    )
+    report.add_argument("--catalogue", default=None, help="catalogue file (default: packaged)")
+    report.set_defaults(handler=_report)
     bench = commands.add_parser("bench", help="print benchmark figures")
     bench.add_argument("what", nargs="?", choices=("properties", "overhead", "all"), default="all")
     bench.add_argument("--runner", choices=RUNNERS, default="threads", help="for properties")
