@@ -44,6 +44,8 @@ def test_run_writes_one_record_per_spec_and_world_size(tmp_path):
         "dev",
         "--out",
         str(tmp_path),
+        "--junit",
+        str(tmp_path / "junit.xml"),
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
@@ -58,6 +60,11 @@ def test_run_writes_one_record_per_spec_and_world_size(tmp_path):
     assert {(r["spec"], r["world_size"]) for r in tests} == {(s, w) for s in specs for w in (1, 3)}
     assert records[0]["profile"] == "dev" and records[-1]["kind"] == "end"
     assert "0 unexpected outcome(s)" in done.stdout
+    report = (tmp_path / "report.html").read_text()
+    assert "All conformant" in report
+    assert "placements.redistribute.partial_target_rejected" in report
+    junit = (tmp_path / "junit.xml").read_text()
+    assert '<property name="spec" value="placements.distribute.roundtrip"' in junit
     assert "placements.redistribute.roundtrip" in done.stdout
 
 
