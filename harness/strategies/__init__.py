@@ -1,0 +1,41 @@
+"""Hypothesis strategies for distconf cases, valid by construction (see ``_common``)."""
+
+from harness.strategies._common import (
+    MAX_MESH_NDIM,
+    MAX_SIDE,
+    dtypes,
+    factorisations,
+    mesh_shapes,
+    seeds,
+    shapes,
+)
+from harness.strategies.placements import (
+    distribute_cases,
+    extremum_to_shard_cases,
+    partial_sum_integer_cases,
+    partial_target_cases,
+    placements,
+    redistribute_cases,
+    uneven_redistribute_cases,
+    uneven_shard_cases,
+)
+from harness.strategies.training import mlp_cases
+
+__all__ = [
+    "MAX_MESH_NDIM",
+    "MAX_SIDE",
+    "distribute_cases",
+    "dtypes",
+    "extremum_to_shard_cases",
+    "factorisations",
+    "mesh_shapes",
+    "mlp_cases",
+    "partial_sum_integer_cases",
+    "partial_target_cases",
+    "placements",
+    "redistribute_cases",
+    "seeds",
+    "shapes",
+    "uneven_redistribute_cases",
+    "uneven_shard_cases",
+]

@@ -1,0 +1,126 @@
+"""Building blocks of distconf's hypothesis strategies: argument checks, world and tensor
+shapes, dtypes, seeds.
+
+Strategies run only in the driver. Each public strategy validates its arguments eagerly and
+names the bad value (``world_size=0 must be ...``); what it draws always fits together.
+Strategy objects are built once per distinct argument: building them inside every draw costs
+more than the draw itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from functools import cache
+from itertools import product
+from typing import Any, TypeVar
+
+from hypothesis import strategies as st
+
+from harness.cases import DTYPES
+
+T = TypeVar("T")
+MAX_SIDE = 17
+MAX_MESH_NDIM = 3
+
+
+def check_int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
+
+
+def takes_world_size(
+    composite: Callable[..., st.SearchStrategy[T]],
+) -> Callable[..., st.SearchStrategy[T]]:
+    """Validate ``world_size`` when the strategy is built, not when it is first drawn from;
+    build each distinct strategy once (tests ask for one in every example)."""
+    built = functools.lru_cache(maxsize=256)(composite)
+
+    @functools.wraps(composite)
+    def strategy(world_size: int, **kwargs: Any) -> st.SearchStrategy[T]:
+        check_int("world_size", world_size, 1)
+        return built(world_size, **kwargs)
+
+    return strategy
+
+
+def check_subset(name: str, values: Sequence[str], allowed: Sequence[str]) -> None:
+    if not values or any(v not in allowed for v in values):
+        raise ValueError(f"{name}={tuple(values)!r} must be a non-empty subset of {allowed}")
+
+
+@cache
+def factorisations(world_size: int, max_ndim: int) -> tuple[tuple[int, ...], ...]:
+    """Every ordered factorisation of ``world_size`` into 1..``max_ndim`` factors, 1s included."""
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    return tuple(
+        shape
+        for ndim in range(1, max_ndim + 1)
+        for shape in product(divisors, repeat=ndim)
+        if math.prod(shape) == world_size
+    )
+
+
+@cache
+def sampled(values: tuple[Any, ...]) -> st.SearchStrategy[Any]:
+    return st.sampled_from(values)
+
+
+_SEEDS = st.integers(0, 2**32 - 1)
+
+
+def mesh_shapes(
+    world_size: int, *, max_ndim: int = MAX_MESH_NDIM
+) -> st.SearchStrategy[tuple[int, ...]]:
+    """Mesh shapes whose product is ``world_size``, 1-D first (hypothesis shrinks there).
+
+    Four draws in five avoid size-1 axes, which add mesh dims that move no data; the fifth
+    may have them (a size-1 axis is still a case DTensor must get right).
+    """
+    check_int("world_size", world_size, 1)
+    check_int("max_ndim", max_ndim, 1)
+    every = factorisations(world_size, max_ndim)
+    real = tuple(shape for shape in every if 1 not in shape) or every
+    return mix((4, sampled(real)), (1, sampled(every)))
+
+
+def shapes(
+    *, min_ndim: int = 0, max_ndim: int = 3, max_side: int = MAX_SIDE, near: int = 4
+) -> st.SearchStrategy[tuple[int, ...]]:
+    """Global tensor shapes, weighted towards sides that make uneven pieces on a mesh axis
+    of size ``near``: most sides are 1..2*near+1 (smaller than the axis, not divisible by
+    it, a few pieces each), some are empty (0) or up to ``max_side``; 0-d tensors are rare.
+    Every draw checks values: a shape with a zero side or no dims is never the majority."""
+    check_int("min_ndim", min_ndim, 0)
+    check_int("max_ndim", max_ndim, min_ndim)
+    check_int("max_side", max_side, 0)
+    check_int("near", near, 1)
+    return _shapes(min_ndim, max_ndim, max_side, min(near, max_side))
+
+
+@cache
+def mix(*weighted: tuple[int, st.SearchStrategy[Any]]) -> st.SearchStrategy[Any]:
+    """Draw from each strategy with its weight; the first shrinks best (list it first)."""
+    picks = tuple(strategy for weight, strategy in weighted for _ in range(weight))
+    return st.integers(0, len(picks) - 1).flatmap(lambda pick: picks[pick])
+
+
+@cache
+def _shapes(
+    min_ndim: int, max_ndim: int, max_side: int, near: int
+) -> st.SearchStrategy[tuple[int, ...]]:
+    ranks = tuple(range(max(1, min_ndim), max_ndim + 1)) or (min_ndim,)
+    ndim = mix((9, sampled(ranks)), (1, sampled((min_ndim,))))
+    uneven = st.integers(min(1, max_side), min(max_side, 2 * near + 1))
+    side = mix((16, uneven), (3, st.integers(0, max_side)), (1, st.just(0)))
+    return ndim.flatmap(lambda n: st.tuples(*[side] * n))
+
+
+def dtypes(allowed: Sequence[str] = DTYPES) -> st.SearchStrategy[str]:
+    check_subset("allowed", allowed, DTYPES)
+    return sampled(tuple(allowed))
+
+
+def seeds() -> st.SearchStrategy[int]:
+    return _SEEDS
