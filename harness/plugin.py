@@ -9,7 +9,6 @@ live under the suites directory nor ask for the ``world`` fixture.
 from __future__ import annotations
 
 import functools
-import os
 import random
 import shlex
 import time
@@ -211,7 +210,9 @@ def _open_writer(config: pytest.Config) -> ResultsWriter | None:
     if not target:
         return None
     path = Path(target)
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    # config.workerinput, not $PYTEST_XDIST_WORKER: a pytest started from inside an xdist
+    # worker (pytester, subprocess) inherits the variable but is not that worker.
+    worker = getattr(config, "workerinput", {}).get("workerid")
     if worker:
         path = path.with_name(f"{path.stem}.{worker}{path.suffix}")
     header = environment_stamp(
@@ -477,6 +478,7 @@ def _record(item: pytest.Item, phases: dict[str, Any]) -> TestRecord:
         duration=sum(report.duration for report, _ in phases.values()),
         examples=item.stash.get(_examples_key, None),
         metrics=log.metrics if log else {},
+        references=log.references if log else [],
         profile=settings.get_current_profile_name(),
         seed=_seed(item.config),
         reproduce=reproduce_command(item.config, item.nodeid, world),

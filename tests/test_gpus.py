@@ -11,8 +11,8 @@ import os
 import pytest
 
 @pytest.mark.parametrize("i", range(12))
-def test_records_its_lease(i):
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+def test_records_its_lease(i, request):
+    worker = getattr(request.config, "workerinput", {}).get("workerid", "main")
     out = os.path.join(os.environ["LEASE_DIR"], f"lease-{worker}-{i}")
     with open(out, "w") as handle:
         handle.write(os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"))
