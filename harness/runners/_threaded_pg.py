@@ -73,9 +73,9 @@ class _Rendezvous:
 
 
 class _ReduceScatter:
-    """Reduce-scatter with every reduce op upstream's all-reduce knows (upstream's own
-    reduce-scatter implements only SUM and AVG, which leaves Partial(max|min) -> Shard
-    unchecked on threads)."""
+    """Reduce-scatter with the reduce ops upstream's all-reduce knows and its reduce-scatter
+    lacks (MAX, MIN, PRODUCT, ...), which would leave Partial(max|min) -> Shard unchecked on
+    threads."""
 
     def __init__(self, op: Any) -> None:
         kind = getattr(op, "op", op)
@@ -231,7 +231,11 @@ class DistconfThreadedGroup(_upstream.ProcessLocalGroup):  # type: ignore[misc] 
     def reduce_scatter(self, output_tensor: Any, scatter_list: Any, opts: Any = None) -> Any:
         op = (opts if opts is not None else ReduceScatterOptions()).reduceOp
         call = f"reduce_scatter({_tensors(output_tensor)}, {_op_name(op)})"
-        return self._join(call, _ReduceScatter(op), (output_tensor, scatter_list))
+        # Upstream's own work for the ops it implements keeps its numerics (a running sum,
+        # then a division for AVG); ours adds the ops it lacks.
+        upstream = _op_name(op) in ("SUM", "AVG")
+        work = _upstream.ReduceScatter(op) if upstream else _ReduceScatter(op)
+        return self._join(call, work, (output_tensor, scatter_list))
 
     def alltoall(self, output_tensor_list: Any, input_tensor_list: Any, opts: Any = None) -> Any:
         # Split sizes may differ between ranks; only the dtype must agree.
