@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -109,3 +110,138 @@ class MLPCase:
             f"+ SGD(lr={self.lr}, momentum={self.momentum}), batch {self.batch_per_rank}/rank, "
             f"{self.dtype}"
         )
+
+
+OPTIMIZERS = ("SGD", "Adam", "AdamW")
+IMPLEMENTATIONS = ("default", "foreach", "fused")
+LAYOUTS = ("fsdp", "hsdp", "fsdp_tp", "ddp", "zero")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """A ``torch.optim`` optimizer, its implementation and hyper-parameters, an optional
+    second parameter group (the biases) with other hyper-parameters, an optional StepLR."""
+
+    name: str
+    impl: str
+    lr: float
+    options: tuple[tuple[str, Any], ...] = ()
+    second_group: tuple[tuple[str, Any], ...] | None = None
+    scheduler: tuple[int, float] | None = None
+    """``(step_size, gamma)`` of a ``StepLR``."""
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"name={self.name!r} must be one of {OPTIMIZERS}")
+        if self.impl not in IMPLEMENTATIONS:
+            raise ValueError(f"impl={self.impl!r} must be one of {IMPLEMENTATIONS}")
+
+    def kwargs(self) -> dict[str, Any]:
+        """Constructor keyword arguments (the first group's hyper-parameters)."""
+        chosen = {"lr": self.lr, **dict(self.options)}
+        if self.impl != "default":
+            chosen[self.impl] = True
+        return chosen
+
+    def describe(self) -> str:
+        options = ", ".join(f"{k}={v}" for k, v in self.kwargs().items())
+        extra = f", biases: {dict(self.second_group)}" if self.second_group else ""
+        lr_steps = f", StepLR{self.scheduler}" if self.scheduler else ""
+        return f"{self.name}({options}){extra}{lr_steps}"
+
+
+@dataclass(frozen=True)
+class ParityCase:
+    """Train an MLP for ``steps`` steps under ``layout`` and on one device, then compare."""
+
+    layout: str
+    mesh_shape: tuple[int, ...]
+    """``(world,)`` for fsdp/ddp/zero; ``(replicate, shard)`` for hsdp; ``(dp, tp)``."""
+    dims: tuple[int, ...]
+    bias: bool
+    batch_per_rank: int
+    dtype: str
+    optim: OptimConfig
+    steps: int
+    mixed_precision: bool
+    """FSDP's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``."""
+    seed: int
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout={self.layout!r} must be one of {LAYOUTS}")
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that see different data: all but the tensor-parallel axis."""
+        return self.mesh_shape[0] if self.layout == "fsdp_tp" else math.prod(self.mesh_shape)
+
+    def call(self) -> str:
+        precision = ", bf16 params/fp32 reduce" if self.mixed_precision else ""
+        return (
+            f"{self.layout}(mesh={self.mesh_shape}) MLP{self.dims} bias={self.bias} "
+            f"{self.dtype}{precision}, {self.steps} step(s) of {self.optim.describe()}, "
+            f"batch {self.batch_per_rank}/data-parallel rank"
+        )
+
+
+@dataclass(frozen=True)
+class ParamsCase:
+    """Free-standing parameters of ``shapes`` (seeded, float64) stepped by an optimizer with
+    seeded gradients that are the same on every rank (as if already averaged)."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    optim: OptimConfig
+    steps: int
+    seed: int
+    lr_after_load: float = 0.5
+    """The lr a second optimizer is built with before it loads the first one's state."""
+    steps_after: int = 1
+    recipient: int = 0
+    """The rank ``consolidate_state_dict`` gathers the state on."""
+
+    def call(self) -> str:
+        return (
+            f"{self.optim.describe()} on params {list(self.shapes)}, {self.steps} step(s), "
+            f"state to rank {self.recipient}, reload with lr={self.lr_after_load}, "
+            f"{self.steps_after} more step(s)"
+        )
+
+
+@dataclass(frozen=True)
+class PartitionCase:
+    """Parameter groups of these element counts; optionally one group added afterwards."""
+
+    groups: tuple[tuple[int, ...], ...]
+    added: tuple[int, ...] | None
+
+    def all_groups(self) -> tuple[tuple[int, ...], ...]:
+        return self.groups if self.added is None else (*self.groups, self.added)
+
+
+@dataclass(frozen=True)
+class OverlapCase:
+    """DDP with a ZeRO step inside its communication hook, against DDP and a local SGD."""
+
+    dims: tuple[int, ...]
+    inputs: int
+    interleaved: bool
+    gradient_as_bucket_view: bool
+    static_graph: bool
+    shard_buckets: bool
+    seed: int
+    bias: bool = True
+    dtype: str = "float64"
+
+
+@dataclass(frozen=True)
+class JoinCase:
+    """Uneven inputs: rank r trains on ``inputs + r`` batches for ``epochs`` epochs."""
+
+    dims: tuple[int, ...]
+    inputs: int
+    epochs: int
+    lr: float
+    seed: int
+    bias: bool = True
+    dtype: str = "float64"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -32,7 +33,20 @@ def seeded_init_(module: nn.Module, seed: int) -> nn.Module:
     return module
 
 
-def build_mlp(case: MLPCase, device: torch.device) -> nn.Sequential:
+class MLPShape(Protocol):
+    """What ``build_mlp`` reads from a case."""
+
+    @property
+    def dims(self) -> tuple[int, ...]: ...
+    @property
+    def bias(self) -> bool: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def seed(self) -> int: ...
+
+
+def build_mlp(case: MLPShape, device: torch.device) -> nn.Sequential:
     """Linear(d0, d1), ReLU, Linear(d1, d2), ... with seeded values, on ``device``."""
     layers: list[nn.Module] = []
     for i, (d_in, d_out) in enumerate(itertools.pairwise(case.dims)):

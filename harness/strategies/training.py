@@ -2,10 +2,31 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from functools import cache
+from typing import Any
+
 from hypothesis import strategies as st
 
-from harness.cases import MLPCase
-from harness.strategies._common import seeds, takes_world_size
+from harness.cases import (
+    IMPLEMENTATIONS,
+    LAYOUTS,
+    OPTIMIZERS,
+    JoinCase,
+    MLPCase,
+    OptimConfig,
+    OverlapCase,
+    ParamsCase,
+    ParityCase,
+    PartitionCase,
+)
+from harness.strategies._common import (
+    check_subset,
+    factorisations,
+    sampled,
+    seeds,
+    takes_world_size,
+)
 
 
 @takes_world_size
@@ -22,5 +43,196 @@ def mlp_cases(draw: st.DrawFn, world_size: int) -> MLPCase:
         lr=draw(st.sampled_from((0.1, 0.01))),
         momentum=draw(st.sampled_from((0.0, 0.9))),
         dtype=draw(st.sampled_from(("float64", "float32"))),
+        seed=draw(seeds()),
+    )
+
+
+_LRS = (0.1, 0.01, 0.001)
+
+
+@st.composite
+def _sgd_options(draw: st.DrawFn, momenta: tuple[float, ...]) -> tuple[tuple[str, Any], ...]:
+    momentum = draw(sampled(momenta))
+    # nesterov needs momentum and no dampening (torch raises otherwise)
+    nesterov = momentum > 0 and draw(st.booleans())
+    dampening = 0.0 if nesterov or momentum == 0 else draw(sampled((0.0, 0.1)))
+    return (
+        ("momentum", momentum),
+        ("dampening", dampening),
+        ("nesterov", nesterov),
+        ("weight_decay", draw(sampled((0.0, 0.01)))),
+        ("maximize", draw(st.booleans())),
+    )
+
+
+@st.composite
+def _adam_options(draw: st.DrawFn, decoupled: bool) -> tuple[tuple[str, Any], ...]:
+    decays = (0.01, 0.1) if decoupled else (0.0, 0.01)
+    return (
+        ("betas", draw(sampled(((0.9, 0.999), (0.8, 0.99))))),
+        ("weight_decay", draw(sampled(decays))),
+        ("amsgrad", draw(st.booleans())),
+        ("maximize", draw(st.booleans())),
+    )
+
+
+def _options(name: str, stateful: bool) -> st.SearchStrategy[tuple[tuple[str, Any], ...]]:
+    if name == "SGD":
+        return _sgd_options((0.9,) if stateful else (0.0, 0.9))
+    return _adam_options(decoupled=name == "AdamW")
+
+
+def optim_configs(
+    *,
+    names: Sequence[str] = OPTIMIZERS,
+    impls: Sequence[str] = IMPLEMENTATIONS,
+    unsupported: frozenset[tuple[str, str]] = frozenset(),
+    stateful: bool = False,
+    groups: bool = True,
+) -> st.SearchStrategy[OptimConfig]:
+    """SGD / Adam / AdamW with valid hyper-parameters, a default, foreach or fused
+    implementation, sometimes a second parameter group with its own lr and weight decay, and
+    sometimes a StepLR. ``unsupported`` lists ``(name, impl)`` pairs not to draw;
+    ``stateful`` draws only optimizers that keep state (SGD with momentum);
+    ``groups=False`` never draws a second group or a scheduler."""
+    check_subset("names", names, OPTIMIZERS)
+    check_subset("impls", impls, IMPLEMENTATIONS)
+    pairs = tuple((n, i) for n in names for i in impls if (n, i) not in unsupported)
+    if not pairs:
+        raise ValueError(f"unsupported={sorted(unsupported)!r} leaves no optimizer to draw")
+    return _optim_configs(pairs, stateful, groups)
+
+
+@cache
+@st.composite
+def _optim_configs(
+    draw: st.DrawFn, pairs: tuple[tuple[str, str], ...], stateful: bool, groups: bool
+) -> OptimConfig:
+    name, impl = draw(sampled(pairs))
+    lr = draw(sampled(_LRS))
+    second, scheduler = None, None
+    if groups and draw(st.booleans()):
+        second = (("lr", lr / 2), ("weight_decay", draw(sampled((0.0, 0.05)))))
+    if groups:
+        scheduler = draw(st.none() | st.tuples(sampled((1, 2)), sampled((0.5, 0.9))))
+    return OptimConfig(name, impl, lr, draw(_options(name, stateful)), second, scheduler)
+
+
+def parity_cases(
+    world_size: int,
+    *,
+    layout: str,
+    unsupported: frozenset[tuple[str, str]] = frozenset(),
+    mixed_precision: bool = False,
+) -> st.SearchStrategy[ParityCase]:
+    """A training run to compare under ``layout`` with one device.
+
+    fsdp/ddp/zero use all ranks for data parallelism; hsdp draws (replicate, shard) from the
+    world size's 2-D factorisations (size-1 axes included); fsdp_tp draws (dp, tp) and a
+    hidden size the TP degree divides (torch 2.13 fails otherwise: spec
+    tp.mlp.uneven_hidden checks that separately).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}")
+    return _parity_cases(
+        world_size, layout=layout, unsupported=unsupported, mixed_precision=mixed_precision
+    )
+
+
+@takes_world_size
+@st.composite
+def _parity_cases(
+    draw: st.DrawFn,
+    world_size: int,
+    *,
+    layout: str,
+    unsupported: frozenset[tuple[str, str]],
+    mixed_precision: bool,
+) -> ParityCase:
+    mesh = _layout_mesh(draw, world_size, layout)
+    tp = mesh[1] if layout == "fsdp_tp" else 1
+    n_layers = 2 if layout == "fsdp_tp" else draw(st.integers(1, 3))
+    dims = [draw(st.integers(1, 2 * world_size + 1)) for _ in range(n_layers + 1)]
+    if layout == "fsdp_tp":
+        dims[1] = tp * draw(st.integers(1, 3))
+    dtype = "float32" if mixed_precision else draw(sampled(("float64", "float32")))
+    return ParityCase(
+        layout=layout,
+        mesh_shape=mesh,
+        dims=tuple(dims),
+        bias=draw(st.booleans()),
+        batch_per_rank=draw(st.integers(1, 3)),
+        dtype=dtype,
+        optim=draw(optim_configs(unsupported=unsupported)),
+        steps=draw(st.integers(1, 5)),
+        mixed_precision=mixed_precision,
+        seed=draw(seeds()),
+    )
+
+
+def _layout_mesh(draw: st.DrawFn, world_size: int, layout: str) -> tuple[int, ...]:
+    if layout in ("hsdp", "fsdp_tp"):
+        shapes = [s for s in factorisations(world_size, 2) if len(s) == 2]
+        if layout == "fsdp_tp":
+            shapes = [s for s in shapes if s[1] > 1] or shapes
+        return draw(sampled(tuple(shapes)))
+    return (world_size,)
+
+
+@takes_world_size
+@st.composite
+def params_cases(draw: st.DrawFn, world_size: int, *, momentum: bool = False) -> ParamsCase:
+    """Parameters of small shapes (empty ones included) and an optimizer to step them;
+    ``momentum=True`` draws SGD with momentum, so the optimizer holds state."""
+    shapes = tuple(
+        tuple(draw(st.integers(0, 5)) for _ in range(draw(st.integers(1, 2))))
+        for _ in range(draw(st.integers(1, 6)))
+    )
+    names = ("SGD",) if momentum else OPTIMIZERS
+    return ParamsCase(
+        shapes=shapes,
+        optim=draw(optim_configs(names=names, stateful=momentum, groups=False)),
+        steps=draw(st.integers(1, 3)),
+        seed=draw(seeds()),
+        lr_after_load=draw(sampled((0.5, 0.05))),
+        steps_after=draw(st.integers(1, 3)),
+        recipient=draw(st.integers(0, world_size - 1)),
+    )
+
+
+@st.composite
+def partition_cases(draw: st.DrawFn) -> PartitionCase:
+    """1-3 groups of 1-10 parameters with 0-24 elements, sometimes a group added later."""
+    sizes = st.lists(st.integers(0, 24), min_size=1, max_size=10).map(tuple)
+    groups = tuple(draw(sizes) for _ in range(draw(st.integers(1, 3))))
+    return PartitionCase(groups, draw(st.none() | sizes))
+
+
+@takes_world_size
+@st.composite
+def overlap_cases(draw: st.DrawFn, world_size: int, *, shard_buckets: bool) -> OverlapCase:
+    """DDP + ZeRO overlap settings; ``shard_buckets`` fixed by the caller (torch 2.13 fails
+    with small parameters when it is on: spec zero.ddp_overlap.shard_buckets)."""
+    dims = tuple(draw(st.integers(1, 2 * world_size + 1)) for _ in range(draw(st.integers(2, 4))))
+    return OverlapCase(
+        dims=dims,
+        inputs=draw(st.integers(1, 4)),
+        interleaved=draw(st.booleans()),
+        gradient_as_bucket_view=draw(st.booleans()),
+        static_graph=draw(st.booleans()),
+        shard_buckets=shard_buckets,
+        seed=draw(seeds()),
+    )
+
+
+@takes_world_size
+@st.composite
+def join_cases(draw: st.DrawFn, world_size: int) -> JoinCase:
+    dims = tuple(draw(st.integers(1, 2 * world_size + 1)) for _ in range(draw(st.integers(2, 4))))
+    return JoinCase(
+        dims=dims,
+        inputs=draw(st.integers(1, 3)),
+        epochs=draw(st.integers(1, 2)),
+        lr=draw(sampled(_LRS)),
         seed=draw(seeds()),
     )

@@ -1,0 +1,124 @@
+"""The pieces behind the optimizer suites: the ZeRO partition model, optimizer-config and
+parity-case strategies, parameter groups and the single-device reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from harness.cases import OptimConfig, ParityCase
+from harness.models import build_mlp
+from harness.optim import build_optimizer, param_groups, reference_run
+from harness.strategies.training import optim_configs, params_cases, parity_cases, partition_cases
+from specs.zero import partition, rank_totals
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])
+def test_partition_balances_upstreams_sizes(world_size):
+    """Upstream's test_sharding: sizes [9, 7, 5, 3] per rank give every rank 24 elements."""
+    assert rank_totals([[9, 7, 5, 3] * world_size], world_size) == [24] * world_size
+
+
+@settings(max_examples=200)
+@given(case=partition_cases(), world_size=st.integers(1, 8))
+def test_partition_owns_every_parameter_once(case, world_size):
+    owned = partition(case.all_groups(), world_size)
+    for g, sizes in enumerate(case.all_groups()):
+        indices = sorted(i for rank in owned for i in rank[g])
+        assert indices == list(range(len(sizes)))
+    assert sum(rank_totals(case.all_groups(), world_size)) == sum(map(sum, case.all_groups()))
+
+
+def test_partition_ties_go_to_the_lowest_rank_and_totals_carry_over():
+    assert partition([[4, 4], [1]], 3) == [[[0], []], [[1], []], [[], [0]]]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "world_size", "message"),
+    [([[1]], 0, "world_size=0"), ([[-1]], 2, "group_sizes\\[0\\]")],
+)
+def test_partition_rejects_bad_input(sizes, world_size, message):
+    with pytest.raises(ValueError, match=message):
+        partition(sizes, world_size)
+
+
+# The first fused/foreach step compiles nothing but loads kernels lazily: no deadline.
+@settings(max_examples=200, deadline=None)
+@given(config=optim_configs(unsupported=frozenset({("SGD", "fused")})))
+def test_optimizer_configs_build_and_step(config):
+    options = dict(config.options)
+    if config.name == "SGD" and options["nesterov"]:
+        assert options["momentum"] > 0 and options["dampening"] == 0
+    assert (config.name, config.impl) != ("SGD", "fused")
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    optimizer = build_optimizer(config, param_groups(model, config))
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    assert len(optimizer.param_groups) == (2 if config.second_group else 1)
+
+
+def test_optimizer_config_validates_its_names():
+    with pytest.raises(ValueError, match="name='Lion' must be one of"):
+        OptimConfig("Lion", "default", 0.1)
+    with pytest.raises(ValueError, match="impl='triton' must be one of"):
+        OptimConfig("SGD", "triton", 0.1)
+    with pytest.raises(ValueError, match="leaves no optimizer to draw"):
+        optim_configs(names=("SGD",), impls=("fused",), unsupported=frozenset({("SGD", "fused")}))
+
+
+@settings(max_examples=100)
+@given(
+    world_size=st.integers(1, 8),
+    layout=st.sampled_from(["fsdp", "hsdp", "fsdp_tp", "ddp", "zero"]),
+    data=st.data(),
+)
+def test_parity_cases_fit_their_layout(world_size, layout, data):
+    assume(not (layout == "fsdp_tp" and world_size == 1))
+    case = data.draw(parity_cases(world_size, layout=layout))
+    assert math.prod(case.mesh_shape) == world_size
+    if layout == "fsdp_tp":
+        assert case.mesh_shape[1] > 1 and case.dims[1] % case.mesh_shape[1] == 0
+        assert case.data_parallel == case.mesh_shape[0]
+
+
+def test_parity_case_validates_layout():
+    with pytest.raises(ValueError, match="layout='pp' must be one of"):
+        parity_cases(2, layout="pp")
+
+
+def test_single_group_when_the_model_has_one_layer():
+    config = OptimConfig("SGD", "default", 0.1, second_group=(("lr", 0.05),))
+    assert len(param_groups(torch.nn.Sequential(torch.nn.Linear(2, 3)), config)) == 1
+
+
+def test_reference_is_deterministic_and_trains():
+    case = ParityCase(
+        "fsdp",
+        (2,),
+        (3, 4, 2),
+        True,
+        2,
+        "float64",
+        OptimConfig("Adam", "foreach", 0.1),
+        3,
+        False,
+        7,
+    )
+    first, second = reference_run(case), reference_run(case)
+    assert first.losses == second.losses
+    initial = {
+        n: p.detach().numpy() for n, p in build_mlp(case, torch.device("cpu")).named_parameters()
+    }
+    assert any((first.params[n] != initial[n]).any() for n in initial)
+
+
+@settings(max_examples=50)
+@given(world_size=st.integers(1, 6), data=st.data())
+def test_params_cases_with_momentum_keep_state(world_size, data):
+    case = data.draw(params_cases(world_size, momentum=True))
+    assert dict(case.optim.options)["momentum"] > 0
+    assert 0 <= case.recipient < world_size
