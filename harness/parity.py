@@ -122,6 +122,8 @@ class ParityLog:
     """Error metrics recorded during one test; keeps the worst value of each per name."""
 
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+    references: list[str] = field(default_factory=list)
+    """Which single-device implementation each comparison was made against."""
 
     def add(self, name: str, metrics: ErrorMetrics, *, rtol: float, atol: float) -> None:
         """Keep the worst error per name, with the (largest) tolerance it was held to."""
@@ -143,6 +145,13 @@ def collecting() -> Iterator[ParityLog]:
         yield _active
     finally:
         _active = previous
+
+
+def note_reference(description: str) -> None:
+    """Say which reference the test compares against (device and implementation); kept
+    with the test's record, once per distinct description. A no-op outside ``collecting``."""
+    if _active is not None and description not in _active.references:
+        _active.references.append(description)
 
 
 def record(name: str, metrics: ErrorMetrics, *, rtol: float, atol: float) -> None:

@@ -65,6 +65,8 @@ class TestRecord:
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per comparison name: worst ``max_abs``, ``max_rel``, ``max_ulp`` and the ``rtol``,
     ``atol`` they were held to."""
+    references: list[str] = field(default_factory=list)
+    """The single-device implementations compared against (device and optimizer)."""
     profile: str | None = None
     seed: str | None = None
     reproduce: str | None = None
