@@ -1,0 +1,153 @@
+"""Rank functions that train an MLP under each data/tensor-parallel layout.
+
+Every layout trains the same seeded MLP with the same optimizer on the same global batches
+as ``harness.optim.reference_run``; each data-parallel rank takes its rows of the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+from harness.cases import ParityCase
+from harness.context import RankContext
+from harness.dtensor import tensor_from, to_numpy
+from harness.models import build_mlp
+from harness.optim import (
+    Trained,
+    build_optimizer,
+    build_scheduler,
+    loss_of,
+    named_full_params,
+    param_groups,
+    rows_of,
+    step_batch,
+)
+from harness.parity import assert_close, assert_equal_values
+
+
+def train_on_rank(ctx: RankContext, case: ParityCase) -> Trained:
+    """Train under ``case.layout``; this rank's losses and every full parameter."""
+    model = build_mlp(case, ctx.device)
+    wrapped, dp_rank = _parallelize(model, case, ctx)
+    optimizer = _optimizer(wrapped, model, case)
+    scheduler = build_scheduler(case.optim, optimizer)
+    losses = []
+    for step in range(case.steps):
+        inputs, targets = step_batch(case, step)
+        rows = rows_of(case, dp_rank)
+        optimizer.zero_grad()
+        loss = loss_of(
+            wrapped(tensor_from(inputs[rows], case.dtype, ctx.device)),
+            tensor_from(targets[rows], case.dtype, ctx.device),
+        )
+        loss.backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(loss.item())
+    return Trained(tuple(losses), {n: _full(p) for n, p in named_full_params(wrapped)})
+
+
+def _full(param: torch.Tensor) -> Any:
+    """The whole parameter on every rank (a collective for a DTensor)."""
+    return to_numpy(param.full_tensor() if isinstance(param, DTensor) else param)
+
+
+def _parallelize(model: nn.Sequential, case: ParityCase, ctx: RankContext) -> tuple[nn.Module, int]:
+    """Apply the layout; the module to call and this rank's data-parallel index."""
+    if case.layout in ("ddp", "zero"):
+        return DistributedDataParallel(model), ctx.rank
+    if case.layout == "fsdp_tp":
+        mesh = ctx.mesh(case.mesh_shape, ("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        _fully_shard(model, case, mesh["dp"])
+        coordinate = mesh.get_coordinate()
+        assert coordinate is not None
+        return model, coordinate[0]
+    names = ("replicate", "shard") if case.layout == "hsdp" else None
+    _fully_shard(model, case, ctx.mesh(case.mesh_shape, names))
+    return model, ctx.rank
+
+
+def _fully_shard(model: nn.Sequential, case: ParityCase, mesh: Any) -> None:
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if case.mixed_precision
+        else MixedPrecisionPolicy()
+    )
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def _optimizer(wrapped: nn.Module, model: nn.Module, case: ParityCase) -> Any:
+    groups = param_groups(model, case.optim)
+    if case.layout != "zero":
+        return build_optimizer(case.optim, groups)
+    optimizer_class = getattr(torch.optim, case.optim.name)
+    return ZeroRedundancyOptimizer(groups, optimizer_class=optimizer_class, **case.optim.kwargs())
+
+
+def data_parallel_ranks(case: ParityCase) -> list[int]:
+    """One rank per data-parallel index: they hold the distinct losses."""
+    if case.layout == "fsdp_tp":
+        dp, tp = case.mesh_shape
+        return [d * tp for d in range(dp)]
+    return list(range(case.data_parallel))
+
+
+def assert_trained_like(
+    reference: Trained,
+    trained: list[Trained],
+    case: ParityCase,
+    *,
+    rtol: float,
+    atol: float,
+    why: str,
+) -> None:
+    """Every step's loss (the mean over data-parallel ranks) and every rank's final
+    parameters equal the single-device reference within ``rtol``/``atol`` (``why``)."""
+    call = case.call()
+    for step, expected in enumerate(reference.losses):
+        losses = [trained[r].losses[step] for r in data_parallel_ranks(case)]
+        assert_close(
+            np.array(sum(losses) / len(losses)),
+            np.array(expected),
+            rtol=rtol,
+            atol=atol,
+            dtype=case.dtype,
+            what=f"loss of step {step}",
+            why=why,
+            call=call,
+            record_as=f"loss/{case.dtype}",
+        )
+    for rank, result in enumerate(trained):
+        assert_equal_values(
+            sorted(result.params), sorted(reference.params), what=f"parameter names on rank {rank}"
+        )
+        for name, want in reference.params.items():
+            assert_close(
+                result.params[name],
+                want,
+                rtol=rtol,
+                atol=atol,
+                dtype=case.dtype,
+                what=f"{name} after {case.steps} step(s) on rank {rank}",
+                why=why,
+                call=call,
+                record_as=f"param/{case.dtype}",
+            )
