@@ -42,3 +42,14 @@ def clear_dtensor_plan_caches() -> None:
                 "review harness._torch_internals for this torch version"
             )
         clear()
+
+
+def local_shape_and_global_offset(dtensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Where this rank's shard of ``dtensor`` sits in the global tensor, as DCP and FSDP's
+    state dicts compute it (``torch.distributed.tensor._utils``, private in torch 2.13)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(
+        dtensor.shape, dtensor.device_mesh, dtensor.placements
+    )
+    return tuple(map(int, shape)), tuple(map(int, offset))

@@ -224,3 +224,23 @@ def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
         stride.append(step)
         step *= max(size, 1)
     return tuple(reversed(stride))
+
+
+def local_boxes(
+    shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement]
+) -> dict[Coord, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """``(local shape, global offset)`` on every mesh coordinate: where each local array
+    sits in the global one. Shards nest in mesh-axis order, so a dim sharded on two axes
+    starts at its first piece's offset plus the second piece's offset within it. An empty
+    piece's offset is not meaningful (torch reports the dim's global size)."""
+    validate(mesh_shape, placements, len(shape))
+    boxes: dict[Coord, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    for coord in mesh_coords(mesh_shape):
+        sizes, offsets = list(shape), [0] * len(shape)
+        for placement, k, i in zip(placements, mesh_shape, coord, strict=True):
+            if isinstance(placement, Shard):
+                dim = placement.dim % len(shape)
+                offsets[dim] += shard_offsets(sizes[dim], k)[i]
+                sizes[dim] = shard_sizes(sizes[dim], k)[i]
+        boxes[coord] = (tuple(sizes), tuple(offsets))
+    return boxes

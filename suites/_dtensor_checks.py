@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from harness import _torch_internals
 from harness.cases import DistributeCase, RedistributeCase
 from harness.context import RankContext
 from harness.dtensor import DTensorView, tensor_from, to_torch_placements, view_of
@@ -30,10 +31,24 @@ from specs.placements import (
 )
 
 
-def distribute_on_rank(ctx: RankContext, case: DistributeCase) -> DTensorView:
+def _distribute(ctx: RankContext, case: DistributeCase) -> DTensor:
     mesh = ctx.mesh(case.mesh_shape)
     tensor = tensor_from(case.global_array(), case.dtype, ctx.device)
-    return view_of(distribute_tensor(tensor, mesh, to_torch_placements(case.placements)), ctx.rank)
+    return distribute_tensor(tensor, mesh, to_torch_placements(case.placements))
+
+
+def distribute_on_rank(ctx: RankContext, case: DistributeCase) -> DTensorView:
+    return view_of(_distribute(ctx, case), ctx.rank)
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def box_on_rank(ctx: RankContext, case: DistributeCase) -> tuple[Box, DTensorView]:
+    """Where torch says this rank's shard sits in the global tensor, and the shard."""
+    dtensor = _distribute(ctx, case)
+    box = _torch_internals.local_shape_and_global_offset(dtensor)
+    return box, view_of(dtensor, ctx.rank, with_full=False)
 
 
 @functools.lru_cache(maxsize=16)

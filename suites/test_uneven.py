@@ -20,9 +20,19 @@ from harness.context import RankContext
 from harness.dtensor import DTensorView, tensor_from, to_numpy, view_of
 from harness.models import build_mlp, global_batch
 from harness.parity import assert_array_equal, assert_close, assert_equal_values
-from harness.strategies import mlp_cases, uneven_redistribute_cases, uneven_shard_cases
-from specs.placements import Shard, local_arrays
-from suites._dtensor_checks import assert_layout, distribute_on_rank, redistribute_on_rank
+from harness.strategies import (
+    distribute_cases,
+    mlp_cases,
+    uneven_redistribute_cases,
+    uneven_shard_cases,
+)
+from specs.placements import Partial, Shard, local_arrays, local_boxes
+from suites._dtensor_checks import (
+    assert_layout,
+    box_on_rank,
+    distribute_on_rank,
+    redistribute_on_rank,
+)
 
 # World.run enforces its own deadline; hypothesis' per-example deadline would misfire on
 # the first example of a World (process-group and mesh creation).
@@ -52,6 +62,28 @@ def test_shard_gives_torch_chunk_pieces(world: World, data: st.DataObject) -> No
         call=case.call(),
         partial_values_known=True,
     )
+
+
+@pytest.mark.spec("uneven.shard.global_offset")
+@PROPERTY
+@given(data=st.data())
+def test_shards_know_where_they_sit_in_the_global_tensor(world: World, data: st.DataObject) -> None:
+    case = data.draw(distribute_cases(world.world_size), label="case")
+    global_array = case.global_array()
+    boxes = local_boxes(case.shape, case.mesh_shape, case.placements)
+    per_rank = world.run(box_on_rank, case)
+    for (shape, offset), view in per_rank:
+        what, call = f"rank {view.rank} (mesh coord {view.coord})", case.call()
+        expected_shape, expected_offset = boxes[view.coord]
+        assert_equal_values(shape, expected_shape, what=f"local shape of {what}", call=call)
+        if 0 in shape:
+            continue  # an empty shard sits nowhere: its offset means nothing
+        assert_equal_values(offset, expected_offset, what=f"global offset of {what}", call=call)
+        window = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+        if not any(isinstance(p, Partial) for p in case.placements):
+            assert_array_equal(
+                view.local, global_array[window], what=f"global slice at {what}", call=call
+            )
 
 
 @pytest.mark.spec("uneven.redistribute.no_padding")
