@@ -9,6 +9,7 @@ live under the suites directory nor ask for the ``world`` fixture.
 from __future__ import annotations
 
 import functools
+import os
 import random
 import shlex
 import time
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 from hypothesis import settings
+from hypothesis.errors import UnsatisfiedAssumption
 
 from harness import catalogue, expectations, gpus, parity, suite_checks
 from harness.profiles import PROFILES, SEEDED
@@ -32,6 +34,8 @@ _worlds_key = pytest.StashKey[Any]()
 _writer_key = pytest.StashKey[ResultsWriter | None]()
 _phases_key = pytest.StashKey[dict[str, Any]]()
 _examples_key = pytest.StashKey[int]()
+_first_failure_key = pytest.StashKey[tuple[int, float]]()
+_faults_key = pytest.StashKey[list[str]]()
 _parity_key = pytest.StashKey[parity.ParityLog]()
 
 
@@ -85,6 +89,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="fail, instead of skip, tests that need more GPUs than this process holds "
         "(a nightly GPU job must not skip everything silently)",
+    )
+    group.addoption(
+        "--distconf-faults",
+        dest="distconf_faults",
+        default=None,
+        help="inject these faults (IDs of harness.faults, comma-separated; default: "
+        "$DISTCONF_FAULTS) for the whole session: a mutation run, not a conformance verdict",
     )
     _parsers.append(parser)
     _accept_gpu_workers(parser)
@@ -172,6 +183,20 @@ def pytest_configure(config: pytest.Config) -> None:
         "world_size(*sizes, min=None, max=None): world sizes this test can run at",
     )
     _validate_options(config)
+    _inject_faults(config)
+
+
+def _inject_faults(config: pytest.Config) -> None:
+    from harness import faults
+
+    ids = faults.parse(config.getoption("distconf_faults") or os.environ.get(faults.ENV_VAR))
+    if not ids:
+        return
+    try:
+        config.add_cleanup(faults.activate(ids))
+    except faults.FaultError as exc:
+        raise pytest.UsageError(f"--distconf-faults: {exc}") from None
+    config.stash[_faults_key] = ids
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -223,6 +248,7 @@ def _open_writer(config: pytest.Config) -> ResultsWriter | None:
         seed=_seed(config),
         derandomize=settings.default.derandomize if settings.default else None,
         max_examples=settings.default.max_examples if settings.default else None,
+        faults=config.stash.get(_faults_key, []),
         **accelerator_versions(),
     )
     return ResultsWriter(path, header)
@@ -436,11 +462,20 @@ def _counting_examples(item: pytest.Item) -> Any:
         return (yield)
     inner = handle.inner_test
     item.stash[_examples_key] = 0
+    started = time.perf_counter()
 
     @functools.wraps(inner)
     def counted(*args: Any, **kwargs: Any) -> Any:
         item.stash[_examples_key] += 1
-        return inner(*args, **kwargs)
+        try:
+            return inner(*args, **kwargs)
+        except UnsatisfiedAssumption:
+            raise
+        except Exception:
+            if _first_failure_key not in item.stash:  # before any shrinking
+                elapsed = time.perf_counter() - started
+                item.stash[_first_failure_key] = (item.stash[_examples_key], elapsed)
+            raise
 
     handle.inner_test = counted
     try:
@@ -477,6 +512,7 @@ def _record(item: pytest.Item, phases: dict[str, Any]) -> TestRecord:
         device=key.device if key else None,
         duration=sum(report.duration for report, _ in phases.values()),
         examples=item.stash.get(_examples_key, None),
+        **_first_failure(item),
         metrics=log.metrics if log else {},
         references=log.references if log else [],
         profile=settings.get_current_profile_name(),
@@ -485,6 +521,13 @@ def _record(item: pytest.Item, phases: dict[str, Any]) -> TestRecord:
         expectation=item.stash.get(suite_checks.EXPECTATION_KEY, None),
         **outcome,
     )
+
+
+def _first_failure(item: pytest.Item) -> dict[str, Any]:
+    if _first_failure_key not in item.stash:
+        return {}
+    examples, seconds = item.stash[_first_failure_key]
+    return {"examples_to_failure": examples, "seconds_to_failure": round(seconds, 3)}
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:

@@ -5,7 +5,8 @@ A results file is one JSON object per line, each with a ``kind``:
 - ``header`` (first): ``schema``, ``started``, versions (``python``, ``torch``, ``cuda``,
   ``nccl``, ``hypothesis``, ``numpy``, ``pytest``, ``distconf``), ``platform``, ``git_sha``
   (``+dirty`` when uncommitted), ``argv``, and the run's ``runner``, ``world_sizes``,
-  ``device``, ``profile``, ``seed``, ``derandomize``, ``max_examples``.
+  ``device``, ``profile``, ``seed``, ``derandomize``, ``max_examples``, and ``faults`` (the
+  fault IDs injected: a mutation run, not a conformance verdict).
 - ``test`` (one per test outcome): the fields of ``TestRecord``.
 - ``end`` (last, only when the session finished): ``finished``, ``duration``, ``exitstatus``.
 
@@ -56,6 +57,11 @@ class TestRecord:
     status: str
     duration: float
     examples: int | None = None
+    """Hypothesis test cases run, shrinking included."""
+    examples_to_failure: int | None = None
+    """The test case that failed first (1-based), before any shrinking."""
+    seconds_to_failure: float | None = None
+    """Seconds from the test's start to the end of its first failing test case."""
     falsifying_example: str | None = None
     error: str | None = None
     traceback: str | None = None
