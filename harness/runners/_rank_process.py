@@ -90,10 +90,11 @@ class _Rank:
     def __init__(self, config: RankConfig) -> None:
         import torch
 
-        from harness import _torch_internals
+        from harness import _torch_internals, faults
         from harness.context import RankContext
 
         _torch_internals.quiet_known_warnings()
+        faults.activate_from_environment()  # a mutation run: the driver's faults, here too
         self.config = config
         device = torch.device(config.device)
         if device.type == "cuda":

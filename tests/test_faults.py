@@ -1,0 +1,254 @@
+"""The fault catalogue and ``mutate``: patches apply and revert exactly, fail loudly when their
+target is gone, reach rank processes; detection is read off the results records."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from harness import catalogue, faults, mutate
+from harness.faults import Fault, FaultError, Patch
+from harness.report.records import ReportError
+from harness.report.render import build_page, render_page
+
+MODULE = """
+class Owner:
+    @staticmethod
+    def static(x):
+        return x
+
+    def method(self, x):
+        return x
+
+
+def function(x):
+    return x
+"""
+
+
+@pytest.fixture
+def victim(tmp_path, monkeypatch):
+    (tmp_path / "fault_victim.py").write_text(textwrap.dedent(MODULE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import fault_victim
+
+    yield fault_victim
+    sys.modules.pop("fault_victim", None)
+
+
+def _doubled(original):
+    return lambda *args: 2 * original(*args)
+
+
+def test_patches_apply_and_revert_functions_methods_and_staticmethods(victim):
+    before = {name: vars(victim.Owner)[name] for name in ("static", "method")}
+    fault = Fault(
+        id="test.doubled",
+        area="placements",
+        bug_class="test",
+        summary="doubles",
+        patches=(
+            Patch("fault_victim:function", _doubled),
+            Patch("fault_victim:Owner.static", _doubled),
+            Patch("fault_victim:Owner.method", _doubled),
+        ),
+    )
+    undo = fault.apply()
+    assert victim.function(3) == 6
+    assert victim.Owner.static(3) == 6 and victim.Owner().static(3) == 6
+    assert victim.Owner().method(3) == 6
+    undo()
+    assert victim.function(3) == 3
+    assert {name: vars(victim.Owner)[name] for name in before} == before
+
+
+def test_a_fault_applies_all_of_its_patches_or_none(victim):
+    fault = Fault(
+        id="test.half",
+        area="placements",
+        bug_class="test",
+        summary="second target is gone",
+        patches=(Patch("fault_victim:function", _doubled), Patch("fault_victim:gone", _doubled)),
+    )
+    with pytest.raises(FaultError, match="'gone' does not exist in torch"):
+        fault.apply()
+    assert victim.function(3) == 3
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("fault_victim:Owner.gone", "'gone' does not exist"),
+        ("fault_victim:Missing.static", "'Missing' does not exist"),
+        ("no_such_module_here:f", "cannot import no_such_module_here"),
+        ("fault_victim.function", "must look like 'package.module:Owner.name'"),
+    ],
+)
+def test_a_missing_target_is_a_loud_error_naming_it(victim, target, message):
+    with pytest.raises(FaultError, match=message):
+        Patch(target, _doubled).apply()
+
+
+@pytest.mark.parametrize("fault", list(faults.FAULTS.values()), ids=lambda f: f.id)
+def test_every_catalogued_fault_applies_to_this_torch_and_reverts(fault):
+    targets = [patch._resolve() for patch in fault.patches]
+    before = [vars(owner).get(name, owner.__dict__.get(name)) for owner, name in targets]
+    undo = fault.apply()
+    assert [getattr(owner, name) for owner, name in targets] != before
+    undo()
+    assert [vars(owner).get(name, owner.__dict__.get(name)) for owner, name in targets] == before
+
+
+def test_the_catalogue_has_unique_ids_in_known_areas_and_covers_the_mission():
+    areas = {spec.area for spec in catalogue.load().values()}
+    assert len(faults.FAULTS) >= 15
+    for fault in faults.FAULTS.values():
+        assert fault.area in areas, f"{fault.id}: area={fault.area!r} should be one of {areas}"
+        assert fault.summary and fault.bug_class and fault.patches
+
+
+def test_unknown_fault_ids_are_named():
+    with pytest.raises(FaultError, match=r"faults=\['nope'\] are not in the fault catalogue"):
+        faults.select(["dtensor.partial_avg_as_sum", "nope"])
+
+
+def test_activate_exports_to_rank_processes_and_undo_restores(monkeypatch):
+    monkeypatch.delenv(faults.ENV_VAR, raising=False)
+    from torch.distributed.tensor import Partial
+
+    original = Partial._reduce_value
+    undo = faults.activate(["dtensor.partial_avg_as_sum"])
+    assert Partial._reduce_value is not original
+    assert faults.parse(faults.os.environ[faults.ENV_VAR]) == ["dtensor.partial_avg_as_sum"]
+    undo()
+    assert Partial._reduce_value is original
+    assert faults.ENV_VAR not in faults.os.environ
+
+
+RANK_PROBE = """
+import pytest
+
+def patched_name(ctx):
+    from torch.distributed.tensor import Partial
+    return Partial._reduce_value.__name__
+
+def test_every_rank_sees_the_fault(world):
+    assert world.run(patched_name) == ["reduce_value"] * world.world_size
+"""
+
+
+@pytest.mark.parametrize("runner", ["threads", "processes"])
+def test_a_fault_reaches_every_rank_and_the_header(pytester, runner):
+    pytester.makepyfile(test_probe=RANK_PROBE)
+    results = pytester.path / "r.jsonl"
+    run = pytester.runpytest_subprocess(
+        "-p",
+        "no:cacheprovider",
+        f"--runner={runner}",
+        "--world-sizes=2",
+        "--distconf-faults=dtensor.partial_avg_as_sum",
+        f"--distconf-results={results}",
+    )
+    run.assert_outcomes(passed=1)
+    header = json.loads(results.read_text().splitlines()[0])
+    assert header["faults"] == ["dtensor.partial_avg_as_sum"]
+
+
+def test_an_unknown_fault_option_is_a_usage_error(pytester):
+    pytester.makepyfile(test_probe="def test_x():\n    pass\n")
+    run = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--distconf-faults=nope")
+    assert run.ret == pytest.ExitCode.USAGE_ERROR
+    assert "--distconf-faults: faults=['nope'] are not in the fault catalogue" in run.stderr.str()
+
+
+def _record(nodeid, status, duration, spec=None, **extra):
+    return {"nodeid": nodeid, "status": status, "duration": duration, "spec": spec, **extra}
+
+
+def test_detection_time_is_the_earlier_tests_plus_the_time_to_the_first_failing_example():
+    result = mutate.FaultResult(fault="f", area="a", bug_class="b", summary="s", caught=False)
+    tests = [
+        _record("t1", "passed", 2.0, "s.one"),
+        _record("t2", "xfailed", 1.0, "s.two"),
+        _record(
+            "t3",
+            "failed",
+            9.0,
+            "s.three",
+            seconds_to_failure=0.5,
+            examples_to_failure=7,
+            falsifying_example="case=X",
+        ),
+    ]
+    mutate._note_detection(result, tests)
+    assert (result.caught, result.test, result.specs) == (True, "t3", ["s.three"])
+    assert (result.seconds_to_detect, result.examples_to_detect) == (3.5, 7)
+    assert result.counterexample == "case=X"
+
+
+def test_nothing_failing_means_the_fault_survived():
+    result = mutate.FaultResult(fault="f", area="a", bug_class="b", summary="s", caught=False)
+    mutate._note_detection(result, [_record("t1", "passed", 1.0), _record("t2", "skipped", 0)])
+    assert not result.caught and result.seconds_to_detect is None
+
+
+def test_suites_of_the_faults_area_run_first():
+    specs = catalogue.load()
+    available = sorted({s.suite for s in specs.values()})
+    order = mutate.suite_order("zero", available, specs)
+    assert order[0] == "zero" and sorted(order) == available
+
+
+def _table(tmp_path, **overrides):
+    row = {
+        "fault": "dtensor.partial_avg_as_sum",
+        "area": "placements",
+        "bug_class": "<b>lowered</b>",
+        "summary": "avg as sum",
+        "caught": True,
+        "specs": ["placements.redistribute.roundtrip"],
+        "seconds_to_detect": 1.5,
+        "examples_to_detect": 3,
+        "counterexample": "<script>alert(1)</script>",
+        "wall_seconds": 12.0,
+    }
+    data = {
+        "schema": 1,
+        "config": {"runner": "threads", "profile": "ci", "world_sizes": "1,2"},
+        "clean": {"tests": 10, "seconds": 60.0},
+        "results": [row, {**row, "fault": "x.survivor", "caught": False, "specs": []}],
+        "score": {"caught": 1, "faults": 2},
+        "finished": True,
+        "void": None,
+        **overrides,
+    }
+    path = tmp_path / "mutation.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+FIXTURE_RUN = [Path(__file__).resolve().parent / "fixtures" / "report" / "results.jsonl"]
+
+
+def test_the_report_shows_the_score_each_fault_and_escapes_them(tmp_path):
+    html = render_page(build_page(FIXTURE_RUN, mutation_table=_table(tmp_path)))
+    assert 'id="mutation"' in html and "1/2 faults caught" in html
+    assert "x.survivor" in html and "survived" in html
+    assert "<script>alert(1)</script>" not in html and "&lt;b&gt;lowered" in html
+
+
+def test_a_void_score_says_why(tmp_path):
+    table = _table(tmp_path, void="clean failed")
+    html = render_page(build_page(FIXTURE_RUN, mutation_table=table))
+    assert "score void" in html and "clean failed" in html
+
+
+def test_a_malformed_table_is_a_report_error(tmp_path):
+    path = tmp_path / "mutation.json"
+    path.write_text("{not json")
+    with pytest.raises(ReportError, match=r"mutation\.json' is malformed"):
+        build_page(FIXTURE_RUN, mutation_table=path)
