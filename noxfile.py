@@ -116,6 +116,14 @@ def browser(session: nox.Session) -> None:
 
 
 @nox.session
+def mutate(session: nox.Session) -> None:
+    """The detection score: a clean run, then one run per fault (prints the table)."""
+    session.install(TORCH, "-e", ".")
+    out = os.path.join(REPORTS, "mutate")
+    session.run("python", "-m", "harness", "mutate", "--out", out, *session.posargs)
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     """Benchmark figures: examples/s of the properties, world.run against spawn-per-check."""
     session.install(TORCH, "-e", ".")

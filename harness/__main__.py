@@ -87,11 +87,11 @@ def _run(args: argparse.Namespace) -> int:
     return exit_code
 
 
-def _write_report(files: list[Path], html: Path) -> int:
+def _write_report(files: list[Path], html: Path, mutation_table: Path | None = None) -> int:
     from harness.report import ReportError, render_report
 
     try:
-        render_report(files, html)
+        render_report(files, html, mutation_table=mutation_table)
     except ReportError as exc:
         print(f"error: no report: {exc}", file=sys.stderr)
         return 1
@@ -109,6 +109,7 @@ def _report(args: argparse.Namespace) -> int:
             baseline=[Path(p) for p in args.baseline],
             catalogue_path=Path(args.catalogue) if args.catalogue else None,
             match=args.match,
+            mutation_table=Path(args.mutation) if args.mutation else None,
         )
     except ReportError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -170,6 +171,41 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mutate(args: argparse.Namespace) -> int:
+    from harness import faults, mutate
+
+    if args.list:
+        for fault in faults.FAULTS.values():
+            print(
+                f"{fault.id}  [{fault.area}]\n    {fault.summary}\n"
+                f"    stands for: {fault.bug_class}"
+            )
+        print(f"{len(faults.FAULTS)} faults")
+        return 0
+    if args.jobs < 1:
+        raise SystemExit(f"error: --jobs={args.jobs!r} must be a positive int")
+    config = mutate.RunConfig(
+        runner=args.runner,
+        device=args.device,
+        profile=args.profile,
+        world_sizes=args.world_sizes,
+        rank_timeout=args.rank_timeout,
+        suites=tuple(_split(args.suite)),
+    )
+    _suite_files(list(config.suites))  # unknown suite names fail before any run
+    out = Path(args.out)
+    try:
+        result = mutate.mutate(config, _split(args.faults), out, jobs=args.jobs)
+    except faults.FaultError as exc:
+        raise SystemExit(f"error: --faults: {exc}") from None
+    mutate.print_table(result)
+    if result.clean:
+        _write_report([Path(result.clean["results"])], out / "report.html", out / "mutation.json")
+    print(f"table: {out / 'mutation.json'}")
+    caught, total = result.score
+    return 2 if result.void else int(caught < total)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from harness import bench
 
@@ -217,7 +253,13 @@ def _parser() -> argparse.ArgumentParser:
         "size (spec, for thread vs process or CPU vs CUDA runs), or pick (auto)",
     )
     report.add_argument("--catalogue", default=None, help="catalogue file (default: packaged)")
+    report.add_argument(
+        "--mutation",
+        default=None,
+        help="a mutation.json of `mutate`: adds the fault table",
+    )
     report.set_defaults(handler=_report)
+    _add_mutate(commands)
     bench = commands.add_parser("bench", help="print benchmark figures")
     bench.add_argument("what", nargs="?", choices=("properties", "overhead", "all"), default="all")
     bench.add_argument("--runner", choices=RUNNERS, default="threads", help="for properties")
@@ -228,6 +270,25 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(handler=_bench)
     return parser
+
+
+def _add_mutate(commands: Any) -> None:
+    mutate = commands.add_parser(
+        "mutate", help="score the suites against injected faults (clean run, then one per fault)"
+    )
+    mutate.add_argument(
+        "--faults", action="append", default=[], help="fault IDs (default: the whole catalogue)"
+    )
+    mutate.add_argument("--list", action="store_true", help="print the fault catalogue and exit")
+    mutate.add_argument("--suite", action="append", default=[], help="suites (default: all)")
+    mutate.add_argument("--runner", choices=RUNNERS, default="threads")
+    mutate.add_argument("--device", choices=DEVICES, default="cpu")
+    mutate.add_argument("--world-sizes", default="1,2,3,4")
+    mutate.add_argument("--profile", choices=PROFILES, default="ci")
+    mutate.add_argument("--rank-timeout", type=float, default=60.0)
+    mutate.add_argument("--jobs", type=int, default=1, help="fault runs at once (default: 1)")
+    mutate.add_argument("--out", default=os.path.join("reports", "mutate"))
+    mutate.set_defaults(handler=_mutate)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -246,6 +246,12 @@ def _file_warnings(source: SourceFile) -> list[str]:
         warnings.append(
             f"{source.path}: no end record: the run did not finish, results are partial"
         )
+    injected = (source.header or {}).get("faults")
+    if injected:
+        warnings.append(
+            f"{source.path}: faults were injected ({', '.join(map(str, injected))}): a "
+            "mutation run of torch deliberately broken, not a conformance verdict"
+        )
     return warnings
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import jinja2
 
 from harness import catalogue
-from harness.report import compare, model, parity, records
+from harness.report import compare, model, mutation, parity, records
 from harness.report.records import ReportError
 
 
@@ -21,6 +21,7 @@ class Page:
     report: model.Report
     parity: parity.Parity | None
     comparison: compare.Comparison | None
+    mutation: mutation.Detection | None = None
 
 
 def _seconds(value: float | None) -> str:
@@ -63,6 +64,7 @@ def build_page(
     baseline: Sequence[Path] = (),
     catalogue_path: Path | None = None,
     match: compare.Match = "auto",
+    mutation_table: Path | None = None,
 ) -> Page:
     """Everything the page shows, without HTML (for tests and other front ends)."""
     if not results:
@@ -73,7 +75,8 @@ def build_page(
     comparison = None
     if baseline:
         comparison = compare.compare(loaded, records.load(baseline), report.anchors, match)
-    return Page(_title(report), report, parity.parity(loaded.records), comparison)
+    detection = mutation.load(mutation_table) if mutation_table else None
+    return Page(_title(report), report, parity.parity(loaded.records), comparison, detection)
 
 
 def render_page(page: Page) -> str:
@@ -87,13 +90,21 @@ def render_report(
     baseline: Sequence[Path] = (),
     catalogue_path: Path | None = None,
     match: compare.Match = "auto",
+    mutation_table: Path | None = None,
 ) -> Path:
     """Write the HTML report of ``results`` (files, or directories of ``results*.jsonl``)
     to ``output`` and return its path. ``baseline`` adds a comparison with another run;
-    ``match`` says how its records pair up (see ``harness.report.compare``).
+    ``match`` says how its records pair up (see ``harness.report.compare``);
+    ``mutation_table`` (a ``mutation.json``) adds the fault-detection section.
 
     Raises ``ReportError`` when a file is missing or no test record was found."""
-    page = build_page(results, baseline=baseline, catalogue_path=catalogue_path, match=match)
+    page = build_page(
+        results,
+        baseline=baseline,
+        catalogue_path=catalogue_path,
+        match=match,
+        mutation_table=mutation_table,
+    )
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(render_page(page), encoding="utf-8")
     return output

@@ -1,0 +1,241 @@
+"""``python -m harness mutate``: the detection score of the suites against the fault catalogue.
+
+One clean run (it must have no unexpected outcome, or the score is void), then one run per
+fault with the fault injected (``--distconf-faults``). A fault run starts with the suites of
+the fault's area and stops at the first failure: the fault is *caught* by the spec that
+failed, after the time and the number of examples the record says, with the shrunk
+counterexample hypothesis printed. Every run is a ``python -m harness run`` subprocess with
+its own results directory, so a fault can never leak into another run, and
+``mutation.json`` is rewritten after every run: an interrupted command keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness import catalogue, faults
+from harness.results import UNEXPECTED, read_results
+
+SCHEMA = 1
+CAUGHT = ("failed", "error", "timeout", "crashed", "xpassed")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """What every run of one mutate command shares."""
+
+    runner: str
+    device: str
+    profile: str
+    world_sizes: str
+    rank_timeout: float
+    suites: tuple[str, ...]
+    """The suites to run (all when empty)."""
+
+
+@dataclass
+class FaultResult:
+    fault: str
+    area: str
+    bug_class: str
+    summary: str
+    caught: bool
+    specs: list[str] = field(default_factory=list)
+    """The specs whose tests failed under the fault."""
+    test: str | None = None
+    """The first failing test."""
+    status: str | None = None
+    seconds_to_detect: float | None = None
+    """Suite time until the first failing example: the earlier tests' durations plus the
+    failing test's time to its first failing example (shrinking excluded)."""
+    examples_to_detect: int | None = None
+    counterexample: str | None = None
+    wall_seconds: float = 0.0
+    """The whole fault run: process start, collection, detection and shrinking."""
+    problem: str | None = None
+    """Why the run says nothing about the fault (it could not start, wrote no results)."""
+
+
+@dataclass
+class Mutation:
+    config: dict[str, Any]
+    clean: dict[str, Any] | None = None
+    results: list[FaultResult] = field(default_factory=list)
+    void: str | None = None
+    finished: bool = False
+
+    @property
+    def score(self) -> tuple[int, int]:
+        return sum(r.caught for r in self.results), len(self.results)
+
+    def write(self, path: Path) -> None:
+        caught, total = self.score
+        data = {
+            "schema": SCHEMA,
+            **asdict(self),
+            "score": {"caught": caught, "faults": total},
+        }
+        path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def suite_order(area: str, available: Sequence[str], specs: dict[str, catalogue.Spec]) -> list[str]:
+    """``available`` with the suites that hold specs of ``area`` first."""
+    first = list(dict.fromkeys(s.suite for s in specs.values() if s.area == area))
+    return [s for s in first if s in available] + [s for s in available if s not in first]
+
+
+def _run_command(
+    config: RunConfig, out: Path, suites: Sequence[str], extra: Sequence[str]
+) -> list[str]:
+    command = [
+        sys.executable,
+        "-m",
+        "harness",
+        "run",
+        f"--runner={config.runner}",
+        f"--device={config.device}",
+        f"--profile={config.profile}",
+        f"--world-sizes={config.world_sizes}",
+        f"--rank-timeout={config.rank_timeout}",
+        f"--out={out}",
+    ]
+    command += [f"--suite={suite}" for suite in suites]
+    return [*command, "--", *extra]
+
+
+def _launch(command: list[str], log: Path) -> tuple[int, float]:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    with log.open("w", encoding="utf-8") as handle:
+        code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, check=False)
+    return code.returncode, time.perf_counter() - started
+
+
+def _tests(out: Path) -> list[dict[str, Any]]:
+    return [
+        record for path in sorted(out.glob("results*.jsonl")) for record in read_results(path).tests
+    ]
+
+
+def clean_run(config: RunConfig, out: Path, suites: Sequence[str]) -> dict[str, Any]:
+    """Run the suites without faults; report whether the run can anchor a score."""
+    code, seconds = _launch(_run_command(config, out, suites, ()), out / "log.txt")
+    tests = _tests(out)
+    unexpected = [r for r in tests if r.get("status") in UNEXPECTED]
+    return {
+        "exit_code": code,
+        "seconds": round(seconds, 1),
+        "tests": len(tests),
+        "unexpected": [f"{r['nodeid']}: {r['status']}" for r in unexpected],
+        "results": str(out),
+    }
+
+
+def fault_run(
+    fault: faults.Fault, config: RunConfig, out: Path, suites: Sequence[str]
+) -> FaultResult:
+    """Run ``suites`` with ``fault`` injected, stopping at the first failure."""
+    extra = (f"--distconf-faults={fault.id}", "--exitfirst")
+    code, seconds = _launch(_run_command(config, out, suites, extra), out / "log.txt")
+    result = FaultResult(
+        fault=fault.id,
+        area=fault.area,
+        bug_class=fault.bug_class,
+        summary=fault.summary,
+        caught=False,
+        wall_seconds=round(seconds, 1),
+    )
+    tests = _tests(out)
+    if not tests:
+        result.problem = f"the run wrote no test records (exit code {code}); see {out / 'log.txt'}"
+        return result
+    _note_detection(result, tests)
+    return result
+
+
+def _note_detection(result: FaultResult, tests: list[dict[str, Any]]) -> None:
+    elapsed = 0.0
+    for record in tests:
+        if record.get("status") not in CAUGHT:
+            elapsed += record.get("duration") or 0.0
+            continue
+        if not result.caught:
+            result.caught = True
+            result.test = record["nodeid"]
+            result.status = record["status"]
+            to_failure = record.get("seconds_to_failure")
+            elapsed += to_failure if to_failure is not None else record.get("duration") or 0.0
+            result.seconds_to_detect = round(elapsed, 2)
+            result.examples_to_detect = record.get("examples_to_failure")
+            result.counterexample = record.get("falsifying_example") or record.get("error")
+        if record.get("spec") and record["spec"] not in result.specs:
+            result.specs.append(record["spec"])
+
+
+def mutate(
+    config: RunConfig,
+    fault_ids: Sequence[str],
+    out: Path,
+    *,
+    jobs: int = 1,
+) -> Mutation:
+    """The clean run, then every fault; ``out/mutation.json`` is kept current throughout."""
+    selected = faults.select(fault_ids or list(faults.FAULTS))
+    specs = catalogue.load()
+    available = list(config.suites) or sorted({s.suite for s in specs.values()})
+    mutation = Mutation(config={**asdict(config), "faults": [f.id for f in selected], "jobs": jobs})
+    out.mkdir(parents=True, exist_ok=True)
+    table = out / "mutation.json"
+    mutation.clean = clean_run(config, out / "clean", available)
+    mutation.write(table)
+    if mutation.clean["exit_code"] != 0 or mutation.clean["unexpected"]:
+        mutation.void = (
+            f"the clean run did not pass (exit code {mutation.clean['exit_code']}, "
+            f"{len(mutation.clean['unexpected'])} unexpected outcome(s)): a fault cannot be "
+            "told from a failure that is already there"
+        )
+        mutation.write(table)
+        return mutation
+
+    def one(fault: faults.Fault) -> FaultResult:
+        suites = suite_order(fault.area, available, specs)
+        return fault_run(fault, config, out / "faults" / fault.id, suites)
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        for result in pool.map(one, selected):
+            mutation.results.append(result)
+            mutation.write(table)
+            print(_row(result), flush=True)
+    mutation.finished = True
+    mutation.write(table)
+    return mutation
+
+
+def _row(result: FaultResult) -> str:
+    verdict = "NO RESULT" if result.problem else "caught" if result.caught else "SURVIVED"
+    detect = (
+        f"{result.seconds_to_detect:>8.1f}s {result.examples_to_detect or '-':>5}"
+        if result.caught and result.seconds_to_detect is not None
+        else f"{'-':>9} {'-':>5}"
+    )
+    specs = ", ".join(result.specs) or result.problem or "-"
+    return f"{result.fault:<38} {verdict:<9} {detect} {result.wall_seconds:>7.1f}s  {specs}"
+
+
+def print_table(mutation: Mutation) -> None:
+    print(f"\n{'fault':<38} {'verdict':<9} {'detect':>9} {'ex.':>5} {'run':>8}  caught by")
+    for result in mutation.results:
+        print(_row(result))
+    caught, total = mutation.score
+    if mutation.void:
+        print(f"score: VOID — {mutation.void}")
+    else:
+        print(f"score: {caught}/{total} faults caught")
