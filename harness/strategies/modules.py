@@ -290,11 +290,9 @@ def graph_cases(
     )
 
 
-@takes_world_size
-@st.composite
 def mesh_mlp_cases(
-    draw: st.DrawFn, world_size: int, *, kind: str = "tp", meta: bool = False
-) -> MLPMeshCase:
+    world_size: int, *, kind: str = "tp", meta: bool = False
+) -> st.SearchStrategy[MLPMeshCase]:
     """An MLP on a 2-D mesh over ``world_size`` ranks (size-1 axes included): FSDP over TP
     (``kind='tp'``, optionally sharding each weight on the dim TP leaves, then with widths
     the dp axis divides, as FSDP requires off dim 0) or HSDP (``kind='hsdp'``).
@@ -305,6 +303,12 @@ def mesh_mlp_cases(
     FSDP's layout (``fsdp_init.tp.distribute_tensor_agrees`` checks the others)."""
     if kind not in MESH_KINDS:
         raise ValueError(f"kind={kind!r} must be one of {MESH_KINDS}")
+    return _mesh_mlp_cases(world_size, kind=kind, meta=meta)
+
+
+@takes_world_size
+@st.composite
+def _mesh_mlp_cases(draw: st.DrawFn, world_size: int, *, kind: str, meta: bool) -> MLPMeshCase:
     dp, tp = draw(sampled(_meshes_2d(world_size)))
     other_dim = kind == "tp" and draw(st.booleans())
     width = draw(st.integers(1, 2 * max(dp, tp) + 1)) * (dp if other_dim else 1)
@@ -364,15 +368,20 @@ def strided_disagreement_world_sizes(largest: int = 8) -> tuple[int, ...]:
     return tuple(ws for ws in range(1, largest + 1) if _disagreements(ws))
 
 
-@takes_world_size
-@st.composite
-def strided_disagreement_cases(draw: st.DrawFn, world_size: int) -> MLPMeshCase:
+def strided_disagreement_cases(world_size: int) -> st.SearchStrategy[MLPMeshCase]:
     """FSDP-over-TP MLPs whose hidden size DTensor's ``_StridedShard`` lays out differently
     from FSDP (no TP piece empty); ``world_size`` must have such a mesh (6, 8, 9, 10, ...:
     both axes >= 2 and dp >= 3, see ``strided_disagreement_world_sizes``)."""
-    found = _disagreements(world_size)
-    if not found:
+    check_int("world_size", world_size, 1)
+    if not _disagreements(world_size):
         raise ValueError(f"world_size={world_size!r} has no (dp, tp, hidden) where they differ")
+    return _strided_disagreement_cases(world_size)
+
+
+@takes_world_size
+@st.composite
+def _strided_disagreement_cases(draw: st.DrawFn, world_size: int) -> MLPMeshCase:
+    found = _disagreements(world_size)
     dp, tp, hidden = draw(sampled(found))
     return MLPMeshCase(
         mesh_shape=(dp, tp),
