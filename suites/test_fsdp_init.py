@@ -357,16 +357,7 @@ def test_hsdp_placements_and_broadcast_across_replicas(world: World, data: st.Da
             local = expect.piece(full, shards, 0, rank % shards)
             assert_array_equal(param.local, local, what=f"local shard of {who}", call=call)
             meshes.assert_replicas(view, name, local, replicas, rank, call)
-            assert_close(
-                view.grads[name],
-                reference["grads"][name],
-                rtol=expect.RTOL,
-                atol=expect.ATOL,
-                dtype="float64",
-                what=f"grad of {who}",
-                why=expect.WHY,
-                call=call,
-            )
+        expect.assert_grads(view.grads, reference["grads"], rank, call)
         for name, value in buffers.items():
             meshes.assert_replicas(view, name, value, replicas, rank, call)
 
@@ -399,17 +390,7 @@ def test_all_reduce_hook_gives_hsdp_gradients(world: World, data: st.DataObject)
         assert_equal_values(
             calls, 2 if case.nested else 1, what=f"hook calls on rank {rank}", call=call
         )
-        for name, grad in reference["grads"].items():
-            assert_close(
-                grads[name],
-                grad,
-                rtol=expect.RTOL,
-                atol=expect.ATOL,
-                dtype="float64",
-                what=f"grad of {name} on rank {rank}",
-                why=expect.WHY,
-                call=call,
-            )
+        expect.assert_grads(grads, reference["grads"], rank, call)
 
 
 @pytest.mark.spec("fsdp_init.hook.stream_rejected")
@@ -444,14 +425,8 @@ def test_fully_shard_moves_states_to_mesh_device(world: World, data: st.DataObje
     _skip_unless_cuda(world, "fully_shard moves CPU states to the mesh's accelerator")
     case = data.draw(graph_cases(world.world_size, ties=False), label="case")
     root = model.simulate(case.graph)[-1]
-    ignored = tuple(
-        sorted(
-            data.draw(
-                st.sets(st.sampled_from(root.params)) if root.params else st.just(set()),
-                label="ignored",
-            )
-        )
-    )
+    chosen = st.sets(st.sampled_from(root.params)) if root.params else st.just(set())
+    ignored = tuple(sorted(data.draw(chosen, label="ignored")))
     for rank, seen in enumerate(world.run(misc.device_on_rank, case, ignored)):
         for place, device in seen["after"].items():
             node, name = place.split(".")
