@@ -129,7 +129,9 @@ def unsupported_on_rank(ctx: RankContext, case: GraphCase, kind: str, node: int)
 class MixedView:
     dtypes: dict[str, tuple[str, str]]
     """Per parameter: (dtype, local dtype)."""
-    full: dict[str, np.ndarray]
+    values: dict[str, np.ndarray]
+    """Each parameter as float32: the rank's local shard (no collective: gloo cannot gather
+    float8), or the reference's full value."""
     output: np.ndarray
     grads: dict[str, np.ndarray | None]
 
@@ -144,7 +146,7 @@ def mixed_on_rank(ctx: RankContext, case: GraphCase) -> MixedView:
     grads = {n: p.grad for n, p in model.named_parameters()}
     return MixedView(
         dtypes={n: (str(p.dtype), str(p.to_local().dtype)) for n, p in params.items()},
-        full={n: to_numpy(p.full_tensor().to(torch.float32)) for n, p in params.items()},
+        values={n: to_numpy(p.to_local().to(torch.float32)) for n, p in params.items()},
         output=to_numpy(output),
         grads={
             n: None if g is None else to_numpy(_dtensor(g).full_tensor()) for n, g in grads.items()
@@ -165,7 +167,7 @@ def mixed_reference(case: GraphCase, world_size: int) -> MixedView:
     params = dict(model.named_parameters())
     return MixedView(
         dtypes={n: (str(p.dtype), str(p.dtype)) for n, p in params.items()},
-        full={n: to_numpy(p.to(torch.float32)) for n, p in params.items()},
+        values={n: to_numpy(p.to(torch.float32)) for n, p in params.items()},
         output=to_numpy(output),
         grads={n: None if p.grad is None else to_numpy(p.grad) for n, p in params.items()},
     )
@@ -221,15 +223,27 @@ def classes_on_rank(ctx: RankContext, case: GraphCase) -> ClassesView:
     )
 
 
-def bf16_reference(case: GraphCase, world_size: int) -> dict[str, np.ndarray]:
-    """Gradients of the same step computed in bfloat16 on one device (global batch)."""
-    built = build_graph(case, "cpu")
-    model = built.root.to(torch.bfloat16)
-    inputs, targets = (
-        torch.from_numpy(a).to(torch.bfloat16) for a in graph_batch(case, world_size, 0)
-    )
-    F.mse_loss(model(inputs), targets).backward()
-    return {n: to_numpy(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+def bf16_reference(case: GraphCase, world_size: int) -> dict[str, tuple[np.ndarray, float]]:
+    """Per parameter: the mean over ranks of each rank's bfloat16 gradient (its own rows, on
+    one device, summed in float64), and how far FSDP may be from it: its reduce-scatter sums
+    the ``world_size`` bf16 gradients in bf16 and divides in bf16, each step rounding by at
+    most half a bf16 ulp (2**-8 relative) of the largest partial sum."""
+    inputs, targets = graph_batch(case, world_size, 0)
+    per_rank: list[dict[str, np.ndarray]] = []
+    for rank in range(world_size):
+        model = build_graph(case, "cpu").root.to(torch.bfloat16)
+        rows = slice(rank * case.batch_per_rank, (rank + 1) * case.batch_per_rank)
+        x, y = (torch.from_numpy(a[rows]).to(torch.bfloat16) for a in (inputs, targets))
+        F.mse_loss(model(x), y).backward()
+        per_rank.append(
+            {n: to_numpy(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+        )
+    found = {}
+    for name in per_rank[0]:
+        grads = np.stack([g[name].astype(np.float64) for g in per_rank])
+        bound = (world_size + 3) * 2.0**-8 * float(np.abs(grads).sum(axis=0).max(initial=0.0))
+        found[name] = (grads.mean(axis=0), bound / world_size)
+    return found
 
 
 # --- device moves (CUDA) -------------------------------------------------------------------------
@@ -341,15 +355,18 @@ F32_RTOL, F32_ATOL = 1e-5, 1e-6
 F32_WHY = "float32 sums of the same terms in another order (row blocks, per-rank means)"
 
 
-def assert_mixed(view: MixedView, reference: MixedView, rank: int, case: GraphCase) -> None:
+def assert_mixed(
+    view: MixedView, reference: MixedView, rank: int, world_size: int, case: GraphCase
+) -> None:
     """dtypes kept, values unchanged, the frozen weight gets no gradient, output and the
     trainable weight's gradient match one device."""
     call = f"FrozenMixedDtypes(width={case.width}), batch {case.batch_per_rank}/rank"
     assert_equal_values(
         view.dtypes, reference.dtypes, what=f"(dtype, local dtype) on rank {rank}", call=call
     )
-    for name, full in reference.full.items():
-        assert_array_equal(view.full[name], full, what=f"{name} on rank {rank}", call=call)
+    for name, full in reference.values.items():
+        local = chunk(full, world_size, 0, rank)
+        assert_array_equal(view.values[name], local, what=f"{name} on rank {rank}", call=call)
     rows = slice(rank * case.batch_per_rank, (rank + 1) * case.batch_per_rank)
     assert_close(
         view.output,
@@ -377,17 +394,10 @@ def assert_mixed(view: MixedView, reference: MixedView, rank: int, case: GraphCa
     )
 
 
-# bfloat16 keeps 8 significant bits; FSDP reduce-scatters per-rank bf16 gradients (sum and
-# division in bf16) where the reference computes the global-batch gradient directly, so
-# values may differ by a few bf16 ulps of the largest gradient. A wrong scale (x world size),
-# a lost shard or an unsynchronised rank is off by far more.
-BF16_RTOL = 2.0**-5
-
-
 def assert_classes(
     view: ClassesView,
     expected: tuple[bool, ...],
-    reference: dict[str, np.ndarray],
+    reference: dict[str, tuple[np.ndarray, float]],
     rank: int,
     case: GraphCase,
 ) -> None:
@@ -403,20 +413,18 @@ def assert_classes(
     assert_equal_values(
         sorted(view.grads), sorted(reference), what=f"gradients on rank {rank}", call=call
     )
-    for name, grad in reference.items():
-        assert_equal_values(
-            view.grad_dtypes[name], "torch.float64", what=f"dtype of grad of {name}"
-        )
-        scale = float(np.abs(grad).max(initial=0.0))
+    for name, (grad, bound) in reference.items():
+        what = f"dtype of grad of {name}"
+        assert_equal_values(view.grad_dtypes[name], "torch.float64", what=what, call=call)
         assert_close(
             view.grads[name],
             grad,
-            rtol=BF16_RTOL,
-            atol=BF16_RTOL * scale,
+            rtol=0.0,
+            atol=bound,
             dtype="bfloat16",
             what=f"grad of {name} on rank {rank}",
             call=call,
-            why="bf16 forward/backward and reduce-scatter sum in another order",
+            why="bf16 per-rank gradients summed and divided in bf16 by the reduce-scatter",
             record_as="grad/bf16",
         )
 

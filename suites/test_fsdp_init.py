@@ -555,7 +555,7 @@ def test_frozen_parameters_of_mixed_dtypes(world: World, data: st.DataObject) ->
     case = data.draw(graph_cases(world.world_size), label="case")
     reference = misc.mixed_reference(case, world.world_size)
     for rank, view in enumerate(world.run(misc.mixed_on_rank, case)):
-        misc.assert_mixed(view, reference, rank, case)
+        misc.assert_mixed(view, reference, rank, world.world_size, case)
 
 
 @pytest.mark.spec("fsdp_init.fsdp_module.classes_and_bf16")
