@@ -53,3 +53,100 @@ def local_shape_and_global_offset(dtensor: Any) -> tuple[tuple[int, ...], tuple[
         dtensor.shape, dtensor.device_mesh, dtensor.placements
     )
     return tuple(map(int, shape)), tuple(map(int, offset))
+
+
+# --- FSDP2 (fully_shard) private helpers ------------------------------------------------------
+# The FSDP init suite reads what fully_shard decided: managed modules and states, each
+# parameter's ParamModuleInfo, the lazy-init root flag, state order and FQNs. Known to match
+# these torch versions; on any other, a missing name fails here, naming this file.
+FSDP_KNOWN_TORCH = ("2.13",)
+
+
+def _fsdp_missing(what: str) -> RuntimeError:
+    import torch
+
+    return RuntimeError(
+        f"{what} is gone in torch {torch.__version__} (distconf knows FSDP internals of torch "
+        f"{', '.join(FSDP_KNOWN_TORCH)}): review harness._torch_internals for this version"
+    )
+
+
+def _fsdp_module(name: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(f"torch.distributed.fsdp._fully_shard.{name}")
+    except ImportError:
+        raise _fsdp_missing(f"torch.distributed.fsdp._fully_shard.{name}") from None
+
+
+def _attr(obj: Any, name: str, where: str) -> Any:
+    if not hasattr(obj, name):
+        raise _fsdp_missing(f"{where}.{name}")
+    return getattr(obj, name)
+
+
+def fsdp_managed_modules(roots: tuple[Any, ...]) -> list[Any]:
+    """``_get_managed_modules(roots)``: the modules a ``fully_shard(roots)`` would manage."""
+    return list(_attr(_fsdp_module("_fsdp_init"), "_get_managed_modules", "_fsdp_init")(roots))
+
+
+def fsdp_managed_states(modules: list[Any]) -> tuple[list[Any], list[Any]]:
+    """``_get_managed_states(modules)``: their parameters and buffers, each object once."""
+    params, buffers = _attr(_fsdp_module("_fsdp_init"), "_get_managed_states", "_fsdp_init")(
+        modules
+    )
+    return list(params), list(buffers)
+
+
+def fsdp_state(module: Any) -> Any:
+    """The FSDP state of a module ``fully_shard`` was applied to, or None."""
+    getter = _attr(_fsdp_module("_fsdp_state"), "_get_module_fsdp_state", "_fsdp_state")
+    return getter(module)
+
+
+def fsdp_param_groups(state: Any) -> list[Any]:
+    """The state's ``FSDPParamGroup``s (none when it manages no parameter)."""
+    return list(_attr(state, "_fsdp_param_groups", "FSDPState"))
+
+
+def fsdp_params(group: Any) -> list[Any]:
+    return list(_attr(group, "fsdp_params", "FSDPParamGroup"))
+
+
+def fsdp_param_module_info(fsdp_param: Any) -> tuple[Any, str, list[Any], list[str]]:
+    """``FSDPParam._module_info``: (module, name, shared modules, shared names)."""
+    info = _attr(fsdp_param, "_module_info", "FSDPParam")
+    return (
+        _attr(info, "module", "ParamModuleInfo"),
+        _attr(info, "param_name", "ParamModuleInfo"),
+        list(_attr(info, "shared_modules", "ParamModuleInfo")),
+        list(_attr(info, "shared_param_names", "ParamModuleInfo")),
+    )
+
+
+def fsdp_lazy_init(state: Any) -> None:
+    _attr(state, "_lazy_init", "FSDPState")()
+
+
+def fsdp_is_root(state: Any) -> bool | None:
+    is_root: bool | None = _attr(state, "_is_root", "FSDPState")
+    return is_root
+
+
+def fsdp_all_states(state: Any) -> list[Any]:
+    return list(_attr(_attr(state, "_state_ctx", "FSDPState"), "all_states", "FSDPStateContext"))
+
+
+def fsdp_module_fqn(group: Any) -> str | None:
+    fqn: str | None = _attr(group, "_module_fqn", "FSDPParamGroup")
+    return fqn
+
+
+def fsdp_param_fqn(fsdp_param: Any) -> str | None:
+    fqn: str | None = _attr(fsdp_param, "_param_fqn", "FSDPParam")
+    return fqn
+
+
+def fsdp_sharded_param(fsdp_param: Any) -> Any:
+    return _attr(fsdp_param, "sharded_param", "FSDPParam")

@@ -71,7 +71,8 @@ def test_run_writes_one_record_per_spec_and_world_size(tmp_path):
 def test_run_rejects_an_unknown_suite():
     done = _python("-m", "harness", "run", "--suite", "nope")
     assert done.returncode != 0
-    assert "--suite='nope' is not a suite; choose from ['optim_parity', 'placements'" in done.stderr
+    suites = "['fsdp_init', 'optim_parity', 'placements', 'uneven', 'zero']"
+    assert f"--suite='nope' is not a suite; choose from {suites}" in done.stderr
 
 
 BROKEN_CHUNKING = """
@@ -105,3 +106,50 @@ def test_broken_chunk_model_fails_with_a_shrunk_readable_counterexample(tmp_path
     assert "placements=(Shard(dim=0),)" in output or "placements=(Shard(dim=-1),)" in output
     assert "to_local() on rank 0 (mesh coord (0,))" in output
     assert "shape=(2,)" in output  # shrunk to the smallest shape the mesh axis divides
+
+
+BROKEN_MODULES = """
+import specs.modules as modules
+
+def forgets_nested(graph, roots, sharded, replicated):
+    # walks into modules that have their own fully_shard state, as if they were not wrapped
+    out, seen = [], set()
+
+    def dfs(node):
+        if node in replicated:
+            return
+        seen.add(node)
+        for _, child in graph.children(node):
+            if child not in seen:
+                dfs(child)
+        out.append(node)
+
+    for root in roots:
+        dfs(root)
+    return tuple(out)
+
+modules.managed_modules = forgets_nested
+"""
+
+
+def test_broken_module_model_is_caught_and_shrunk_to_a_few_modules(tmp_path):
+    (tmp_path / "broken_modules.py").write_text(textwrap.dedent(BROKEN_MODULES))
+    done = _python(
+        "-m",
+        "pytest",
+        "suites/test_fsdp_init.py::test_managed_modules_match_model",
+        "-p",
+        "broken_modules",
+        "-p",
+        "no:cacheprovider",
+        "--world-sizes=2",
+        "--hypothesis-profile=ci",
+        env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+    )
+    output = done.stdout
+    assert done.returncode == 1, output[-3000:]
+    assert "modules managed by fully_shard(0,)" in output
+    example = output[output.index("Draw 1 (case): GraphCase(") :]
+    example = example[: example.index("width=")]
+    assert 2 <= example.count("Node(") <= 4, example  # shrunk: a root, a wrapped child or two
+    assert "Wrap(api='fully_shard'" in example

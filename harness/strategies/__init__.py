@@ -9,6 +9,13 @@ from harness.strategies._common import (
     seeds,
     shapes,
 )
+from harness.strategies.modules import (
+    graph_cases,
+    mesh_mlp_cases,
+    module_graphs,
+    shard_dim_cases,
+    zero_size_shapes,
+)
 from harness.strategies.placements import (
     distribute_cases,
     extremum_to_shard_cases,
@@ -28,14 +35,19 @@ __all__ = [
     "dtypes",
     "extremum_to_shard_cases",
     "factorisations",
+    "graph_cases",
+    "mesh_mlp_cases",
     "mesh_shapes",
     "mlp_cases",
+    "module_graphs",
     "partial_sum_integer_cases",
     "partial_target_cases",
     "placements",
     "redistribute_cases",
     "seeds",
     "shapes",
+    "shard_dim_cases",
     "uneven_redistribute_cases",
     "uneven_shard_cases",
+    "zero_size_shapes",
 ]
