@@ -319,3 +319,24 @@ def test_a_released_rank_failing_while_unwinding_is_not_the_primary(world):
     assert failure.statuses[0] == "waiting"
     assert "cleanup found inconsistent state while unwinding" in failure.outcomes[0].summary
     _assert_serves_next_call(world)
+
+
+def _fails_on_rank_1_while_peers_wait_in_a_mesh_collective(ctx):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = ctx.mesh((WORLD_SIZE,))
+    local = distribute_tensor(torch.ones(WORLD_SIZE, 2), mesh, [Shard(0)])
+    if ctx.rank == 1:
+        raise ValueError("rank 1 refuses")
+    return local.redistribute(mesh, [Replicate()]).to_local().sum().item()
+
+
+def test_peers_stranded_in_a_mesh_collective_are_waiting_and_the_world_recovers(world):
+    with pytest.raises(RankFailure) as info:
+        world.run(_fails_on_rank_1_while_peers_wait_in_a_mesh_collective)
+    failure = info.value
+    assert failure.primary.rank == 1
+    assert "ValueError: rank 1 refuses" in failure.primary.summary
+    assert failure.statuses == {0: "waiting", 1: "error", 2: "waiting"}
+    assert failure.deadline is None, "a failed peer is not a deadline expiry"
+    _assert_serves_next_call(world)

@@ -13,12 +13,13 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from harness.faults import dtensor, training
+from harness.faults import dtensor, modules, training
 from harness.faults._patch import Fault, FaultError, Patch, Undo
 
 ENV_VAR = "DISTCONF_FAULTS"
 
-FAULTS: dict[str, Fault] = {fault.id: fault for fault in (*dtensor.FAULTS, *training.FAULTS)}
+_ALL = (*dtensor.FAULTS, *modules.FAULTS, *training.FAULTS)
+FAULTS: dict[str, Fault] = {fault.id: fault for fault in _ALL}
 
 
 def select(ids: Sequence[str]) -> list[Fault]:
@@ -60,11 +61,26 @@ def activate(ids: Sequence[str]) -> Undo:
     return undo_all
 
 
-def activate_from_environment() -> None:
-    """In a rank process: apply the faults the driver exported (a no-op when none)."""
-    ids = parse(os.environ.get(ENV_VAR))
+def exported() -> list[str]:
+    """The faults this process exports to rank processes (what ``activate`` set)."""
+    return parse(os.environ.get(ENV_VAR))
+
+
+def apply_in_rank(ids: Sequence[str]) -> None:
+    """In a rank process: apply the driver's faults for the process's lifetime."""
     for fault in select(ids):
         fault.apply()
 
 
-__all__ = ["ENV_VAR", "FAULTS", "Fault", "FaultError", "Patch", "activate", "parse", "select"]
+__all__ = [
+    "ENV_VAR",
+    "FAULTS",
+    "Fault",
+    "FaultError",
+    "Patch",
+    "activate",
+    "apply_in_rank",
+    "exported",
+    "parse",
+    "select",
+]

@@ -8,9 +8,11 @@ faulthandler: on a fatal signal, and on ``STACK_SIGNAL`` when the driver's deadl
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import pickle
+import select
 import signal
 import threading
 import time
@@ -44,6 +46,7 @@ class RankConfig:
     directory: str
     parent_pid: int
     strict_collectives: bool
+    faults: tuple[str, ...] = ()
 
 
 def _is_release(exc: BaseException) -> bool:
@@ -76,14 +79,27 @@ def main(config: RankConfig, conn: Connection) -> None:
 
 
 def _exit_with_parent(parent_pid: int) -> None:
-    """A rank never outlives its driver, even when it is stuck in a collective."""
+    """A rank never outlives its driver, even when it is stuck in a collective. (The driver
+    is not the rank's parent: the forkserver is.)"""
 
     def watch() -> None:
-        while os.getppid() == parent_pid:
+        if hasattr(os, "pidfd_open"):  # Linux: no polling, no pid reuse
+            with contextlib.suppress(ProcessLookupError):
+                select.select([os.pidfd_open(parent_pid)], [], [])  # readable at its exit
+            os._exit(1)
+        while _alive(parent_pid):
             time.sleep(0.5)
         os._exit(1)
 
     threading.Thread(target=watch, name="distconf-parent-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 class _Rank:
@@ -94,7 +110,7 @@ class _Rank:
         from harness.context import RankContext
 
         _torch_internals.quiet_known_warnings()
-        faults.activate_from_environment()  # a mutation run: the driver's faults, here too
+        faults.apply_in_rank(config.faults)  # a mutation run: the driver's faults, here too
         self.config = config
         device = torch.device(config.device)
         if device.type == "cuda":
@@ -172,7 +188,11 @@ class _Rank:
         return error_outcome(rank, exc, keep=False)
 
     def _release_peers(self) -> None:
-        """Destroy our group so peers blocked on us fail now instead of at gloo's timeout."""
+        """Destroy our group so peers blocked on us fail now instead of at gloo's timeout.
+
+        This releases peers blocked in the default group; a peer blocked in a DeviceMesh's
+        collective is only released when this process exits, so the driver gives peers
+        ``_PEER_GRACE`` seconds and then respawns the pool."""
         import torch.distributed as dist
 
         if dist.is_initialized():

@@ -1,18 +1,24 @@
-"""Process runner: N persistent rank processes (spawn) on gloo (CPU) or nccl (one GPU per rank).
+"""Process runner: N persistent rank processes on gloo (CPU) or nccl (one GPU per rank).
 
-A *pool* is N spawned processes that imported torch once and serve calls from a pipe each.
+A *pool* is N processes that serve calls from a pipe each. They are forked by a forkserver
+that imported torch once (never initialising CUDA or a process group), so a pool starts in
+well under a second after the first: a failing hypothesis example that strands ranks in a
+collective costs a respawn, and shrinking may need dozens of them.
 The process group inside them is rebuilt cheaply after a call that failed (every rank
 destroys its group and joins a new one on a fresh FileStore); the processes themselves are
 respawned only when one died, a call's deadline expired, or a health check failed.
 
 A rank that fails destroys its process group before it reports: peers blocked in a gloo
-collective with it get "Connection closed by peer" at once and report ``waiting`` instead of
-hanging until gloo's own timeout.
+collective of the default group with it get "Connection closed by peer" at once and report
+``waiting`` instead of hanging until gloo's own timeout. Peers blocked in a DeviceMesh group's
+collective are not released that way: the driver gives them ``_PEER_GRACE`` seconds, reports
+them ``waiting`` with their stacks, and respawns the pool.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import multiprocessing
 import os
@@ -26,6 +32,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
 
+from harness import faults
 from harness.runners import _rank_process
 from harness.runners.base import RankOutcome, WorldStartError, call_limit, settle
 
@@ -36,6 +43,10 @@ _CONTROL_TIMEOUT = 30.0
 _STACK_WAIT = 1.0
 _START_ATTEMPTS = 3
 _REAP_WAIT = 5.0
+_PEER_GRACE = 2.0
+"""Seconds the other ranks get to answer once one rank failed the call: the call has failed
+anyway, and ranks blocked in a collective with the failed rank would hold the driver to the
+call's whole deadline for every failing example hypothesis tries."""
 
 
 def _describe_exit(code: int | None) -> str:
@@ -49,6 +60,14 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+@functools.cache
+def _rank_context() -> multiprocessing.context.ForkServerContext:
+    """Forkserver children start as forks of a server that already imported these modules."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed", _rank_process.__name__])
+    return context
+
+
 class _Pool:
     """One set of rank processes and the pipes to them."""
 
@@ -56,11 +75,12 @@ class _Pool:
         self.world_size, self.device = world_size, device
         self.dir = tempfile.mkdtemp(prefix="distconf-world-")
         self.group_generation = 0
-        context = multiprocessing.get_context("spawn")
+        context = _rank_context()
         self.conns: list[Connection] = []
         self.child_ends: list[Connection] = []
         self.processes: list[Any] = []
         self.stack_offsets = [0] * world_size
+        self.gone: set[int] = set()
         for rank in range(world_size):
             ours, theirs = context.Pipe()
             config = _rank_process.RankConfig(
@@ -70,6 +90,7 @@ class _Pool:
                 directory=self.dir,
                 parent_pid=os.getpid(),
                 strict_collectives=strict,
+                faults=tuple(faults.exported()),
             )
             process = context.Process(
                 target=_rank_process.main,
@@ -126,10 +147,11 @@ class _Pool:
         self._broadcast_bytes(pickle.dumps(("call", payload)))
         replies, missing = self._gather("call", deadline)
         outcomes = dict(replies)
+        peer_failed = any(o.status == "error" for o in replies.values())
         timed_out = False
         for rank in missing:
             outcomes[rank] = self._missing_outcome(rank)
-            timed_out = timed_out or outcomes[rank].status != "crashed"
+            timed_out = timed_out or (outcomes[rank].status != "crashed" and not peer_failed)
         return [outcomes[r] for r in range(self.world_size)], timed_out
 
     def control(self, kind: str, argument: Any) -> bool:
@@ -167,8 +189,11 @@ class _Pool:
                     reply = self._receive(rank)
                     if reply is None:
                         dead.add(rank)
+                        self.gone.add(rank)
                     elif reply[0] == kind:
                         replies[rank] = reply[1]
+                        if reply[1].status == "error":
+                            deadline = min(deadline, time.monotonic() + _PEER_GRACE)
                 elif handle is not self.conns[rank] and not self.conns[rank].poll():
                     dead.add(rank)
         missing = [r for r in range(self.world_size) if r not in replies]
@@ -185,8 +210,9 @@ class _Pool:
 
     def _missing_outcome(self, rank: int) -> RankOutcome:
         process = self.processes[rank]
-        # Its pipe and sentinel close a moment before the process can be reaped.
-        process.join(_REAP_WAIT if not process.is_alive() or self._pipe_closed(rank) else 0)
+        # Its pipe closes a moment before the forkserver reaps it and reports its exit.
+        exited = rank in self.gone or not process.is_alive() or self._pipe_closed(rank)
+        process.join(_REAP_WAIT if exited else 0)
         if not process.is_alive():
             return RankOutcome(
                 rank,
@@ -341,7 +367,8 @@ class ProcessWorld:
     def _after_call(self, outcomes: list[RankOutcome], timed_out: bool) -> None:
         if all(o.status == "ok" for o in outcomes):
             return
-        if timed_out or any(o.status == "crashed" for o in outcomes):
+        stranded = ("crashed", "waiting", "timeout")  # ranks that cannot take the next call
+        if timed_out or any(o.status in stranded for o in outcomes):
             self.respawns += 1
             self._discard()
         else:
