@@ -69,6 +69,19 @@ class DistributeCase:
 
 
 @dataclass(frozen=True)
+class OpCase:
+    """``op(distribute_tensor(...), dim, keepdim)`` against the op on the global tensor."""
+
+    source: DistributeCase
+    op: str
+    dim: int
+    keepdim: bool
+
+    def call(self) -> str:
+        return f"{self.op}(dim={self.dim}, keepdim={self.keepdim}) of {self.source.call()}"
+
+
+@dataclass(frozen=True)
 class RedistributeCase:
     """``DTensor.from_local(model locals, mesh, src).redistribute(mesh, dst)``."""
 

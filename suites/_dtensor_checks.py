@@ -14,10 +14,10 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from harness import _torch_internals
-from harness.cases import DistributeCase, RedistributeCase
+from harness import _torch_internals, dtensor_ops
+from harness.cases import DistributeCase, OpCase, RedistributeCase
 from harness.context import RankContext
-from harness.dtensor import DTensorView, tensor_from, to_torch_placements, view_of
+from harness.dtensor import DTensorView, tensor_from, to_numpy, to_torch_placements, view_of
 from harness.parity import assert_array_equal, assert_equal_values
 from specs.placements import (
     Coord,
@@ -39,6 +39,17 @@ def _distribute(ctx: RankContext, case: DistributeCase) -> DTensor:
 
 def distribute_on_rank(ctx: RankContext, case: DistributeCase) -> DTensorView:
     return view_of(_distribute(ctx, case), ctx.rank)
+
+
+def op_on_rank(ctx: RankContext, case: OpCase) -> DTensorView:
+    result = dtensor_ops.apply(case.op, _distribute(ctx, case.source), case.dim, case.keepdim)
+    return view_of(result, ctx.rank)
+
+
+def op_on_one_device(case: OpCase, device: str) -> np.ndarray:
+    """The reference: the same op on the global tensor, on one device."""
+    tensor = tensor_from(case.source.global_array(), case.source.dtype, torch.device(device))
+    return to_numpy(dtensor_ops.apply(case.op, tensor, case.dim, case.keepdim))
 
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]

@@ -7,17 +7,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import World
+from harness.parity import assert_close
 from harness.strategies import (
     distribute_cases,
     extremum_to_shard_cases,
+    op_cases,
     partial_sum_integer_cases,
     partial_target_cases,
     redistribute_cases,
 )
-from specs.placements import REDUCE_OPS
+from specs.placements import REDUCE_OPS, Partial, Placement, local_arrays
 from suites._dtensor_checks import (
     assert_layout,
     distribute_on_rank,
+    op_on_one_device,
+    op_on_rank,
     redistribute_error_on_rank,
     redistribute_on_rank,
 )
@@ -123,3 +127,52 @@ def test_redistribute_into_new_partial_is_rejected(world: World, data: st.DataOb
                 f"rank {rank}: got {message!r}, should be a RuntimeError saying "
                 f"'redistributing to Partial is for internal use only' [{case.call()}]"
             )
+
+
+# Sharded reductions add per-shard partial results, then all-reduce them: the terms of one
+# global sum in another order. Small integer inputs keep that a few ulps of float64; a wrong
+# rule (a missing reduction, a shard counted twice, padding in a mean) is off by whole units.
+OP_TOLERANCE = (1e-12, 1e-12)  # (rtol, atol)
+OP_WHY = "sharded reductions add the same terms in another order"
+
+
+@pytest.mark.spec("placements.ops.match_one_device")
+@PROPERTY
+@given(data=st.data())
+def test_ops_on_dtensors_match_one_device(world: World, data: st.DataObject) -> None:
+    case = data.draw(op_cases(world.world_size), label="case")
+    expected = op_on_one_device(case, world.device)
+    views = world.run(op_on_rank, case)
+    rtol, atol = OP_TOLERANCE
+    for view in views:
+        who = f"{case.op} on rank {view.rank} (mesh coord {view.coord})"
+        assert view.full is not None
+        assert_close(
+            view.full,
+            expected,
+            rtol=rtol,
+            atol=atol,
+            dtype="float64",
+            what=f"full_tensor() of {who}",
+            why=OP_WHY,
+            call=case.call(),
+            record_as="op/float64",
+        )
+        placements = view.placements
+        if any(isinstance(p, str | Partial) for p in placements):
+            continue  # contributions, or a placement the model does not know (_StridedShard)
+        local = local_arrays(expected, case.source.mesh_shape, _known(placements))[view.coord]
+        assert_close(
+            view.local,
+            local,
+            rtol=rtol,
+            atol=atol,
+            dtype="float64",
+            what=f"to_local() of {who}",
+            why=OP_WHY,
+            call=case.call(),
+        )
+
+
+def _known(placements: tuple[Placement | str, ...]) -> tuple[Placement, ...]:
+    return tuple(p for p in placements if not isinstance(p, str))

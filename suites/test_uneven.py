@@ -22,6 +22,7 @@ from harness.models import build_mlp, global_batch
 from harness.parity import assert_array_equal, assert_close, assert_equal_values
 from harness.strategies import (
     distribute_cases,
+    extremum_empty_shard_cases,
     mlp_cases,
     uneven_redistribute_cases,
     uneven_shard_cases,
@@ -31,6 +32,8 @@ from suites._dtensor_checks import (
     assert_layout,
     box_on_rank,
     distribute_on_rank,
+    op_on_one_device,
+    op_on_rank,
     redistribute_on_rank,
 )
 
@@ -84,6 +87,21 @@ def test_shards_know_where_they_sit_in_the_global_tensor(world: World, data: st.
             assert_array_equal(
                 view.local, global_array[window], what=f"global slice at {what}", call=call
             )
+
+
+@pytest.mark.spec("uneven.ops.extremum_empty_shard")
+@pytest.mark.world_size(min=2)
+@PROPERTY
+@given(data=st.data())
+def test_max_min_reductions_over_empty_shards(world: World, data: st.DataObject) -> None:
+    case = data.draw(extremum_empty_shard_cases(world.world_size), label="case")
+    expected = op_on_one_device(case, world.device)
+    views = world.run(op_on_rank, case)
+    for view in views:
+        assert view.full is not None
+        assert_array_equal(  # max and min pick an element: exact
+            view.full, expected, what=f"{case.op} on rank {view.rank}", call=case.call()
+        )
 
 
 @pytest.mark.spec("uneven.redistribute.no_padding")

@@ -18,7 +18,9 @@ from harness.strategies.modules import (
 )
 from harness.strategies.placements import (
     distribute_cases,
+    extremum_empty_shard_cases,
     extremum_to_shard_cases,
+    op_cases,
     partial_sum_integer_cases,
     partial_target_cases,
     placements,
@@ -33,6 +35,7 @@ __all__ = [
     "MAX_SIDE",
     "distribute_cases",
     "dtypes",
+    "extremum_empty_shard_cases",
     "extremum_to_shard_cases",
     "factorisations",
     "graph_cases",
@@ -40,6 +43,7 @@ __all__ = [
     "mesh_shapes",
     "mlp_cases",
     "module_graphs",
+    "op_cases",
     "partial_sum_integer_cases",
     "partial_target_cases",
     "placements",

@@ -8,7 +8,8 @@ from functools import cache
 
 from hypothesis import strategies as st
 
-from harness.cases import DistributeCase, RedistributeCase
+from harness.cases import DistributeCase, OpCase, RedistributeCase
+from harness.dtensor_ops import OPS, Op
 from harness.strategies._common import (
     check_int,
     dtypes,
@@ -18,7 +19,7 @@ from harness.strategies._common import (
     shapes,
     takes_world_size,
 )
-from specs.placements import REDUCE_OPS, Partial, Placement, Replicate, Shard
+from specs.placements import REDUCE_OPS, Partial, Placement, Replicate, Shard, local_boxes
 
 
 def _axis_choices(tensor_ndim: int, partial_op: str | None) -> tuple[Placement, ...]:
@@ -77,6 +78,49 @@ def distribute_cases(draw: st.DrawFn, world_size: int) -> DistributeCase:
     ops = tuple(op for op in _ops_for(dtype) if not (dtype == "int64" and op == "sum"))
     chosen = draw(placements(len(mesh), len(shape), reduce_ops=ops))
     return DistributeCase(mesh, chosen, shape, dtype, draw(seeds()))
+
+
+@takes_world_size
+@st.composite
+def op_cases(draw: st.DrawFn, world_size: int) -> OpCase:
+    """A float64 DTensor laid out by drawn placements and an op of ``harness.dtensor_ops``
+    that fits its rank (amax/amin along a non-empty dim, as on one device).
+
+    max/min reductions are drawn only where no rank holds an empty shard
+    (``extremum_empty_shard_cases`` draws those)."""
+    mesh = draw(mesh_shapes(world_size))
+    shape = draw(shapes(near=max(mesh)))
+    chosen = draw(placements(len(mesh), len(shape)))
+    empty = any(0 in box for box, _ in local_boxes(shape, mesh, chosen).values())
+    fitting = [name for name, op in OPS.items() if _fits(op, shape, empty)]
+    name = draw(sampled(tuple(fitting)))
+    dims = [d for d in range(len(shape)) if not (OPS[name].nonempty_dim and shape[d] == 0)]
+    dim = draw(sampled(tuple(dims))) if OPS[name].needs_dim else 0
+    source = DistributeCase(mesh, chosen, shape, "float64", draw(seeds()))
+    return OpCase(source, name, dim, draw(st.booleans()))
+
+
+@takes_world_size
+@st.composite
+def extremum_empty_shard_cases(draw: st.DrawFn, world_size: int) -> OpCase:
+    """amax along, or amin over, a dim sharded on a 1-D mesh of ``world_size`` >= 2 ranks
+    into fewer pieces than ranks: the trailing ranks hold empty shards."""
+    if world_size < 2:
+        raise ValueError(f"world_size={world_size!r} must be >= 2 for a rank to hold nothing")
+    ndim = draw(st.integers(1, 3))
+    dim = draw(st.integers(0, ndim - 1))
+    shape = [draw(st.integers(1, 3)) for _ in range(ndim)]
+    shape[dim] = draw(st.integers(1, world_size - 1))
+    source = DistributeCase((world_size,), (Shard(dim),), tuple(shape), "float64", draw(seeds()))
+    return OpCase(source, draw(sampled(("amax_dim", "amin"))), dim, draw(st.booleans()))
+
+
+def _fits(op: Op, shape: tuple[int, ...], empty: bool) -> bool:
+    if op.extremum and empty:
+        return False
+    if len(shape) < op.min_ndim or (op.nonempty and 0 in shape):
+        return False
+    return not (op.nonempty_dim and all(side == 0 for side in shape))
 
 
 @takes_world_size

@@ -1,0 +1,71 @@
+"""Tensor ops to run on a DTensor and on the same tensor on one device.
+
+Each op takes ``(tensor, dim, keepdim)``; ``dim`` is a tensor dim the strategy drew for ops
+that work along one. The table reaches the sharding rules DTensor dispatches to: pointwise
+(unary, binary, with a scalar), reductions to Partial (sum, mean, amax, norm), ops that need
+a dim whole (softmax, cumsum), views and copies (transpose, flatten, unsqueeze, cat) and
+matmul of a tensor with itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Op:
+    apply: Callable[[torch.Tensor, int, bool], torch.Tensor]
+    min_ndim: int = 0
+    needs_dim: bool = False
+    nonempty_dim: bool = False
+    """The op raises on an empty ``dim`` on one device too (amax of nothing)."""
+    nonempty: bool = False
+    extremum: bool = False
+    """A max/min reduction: a rank holding an empty shard has no identity element to offer
+    (spec uneven.ops.extremum_empty_shard checks that case on its own)."""
+
+
+def _matmul(t: torch.Tensor, dim: int, keepdim: bool) -> torch.Tensor:
+    return t @ t if t.ndim == 1 else t @ t.transpose(-1, -2)
+
+
+OPS: dict[str, Op] = {
+    "neg": Op(lambda t, d, k: -t),
+    "add": Op(lambda t, d, k: t + t),
+    "mul": Op(lambda t, d, k: t * t),
+    "affine": Op(lambda t, d, k: t * 0.5 + 1.0),
+    "relu": Op(lambda t, d, k: torch.relu(t)),
+    "tanh": Op(lambda t, d, k: torch.tanh(t)),
+    "where": Op(lambda t, d, k: torch.where(t > 0, t, -2.0 * t)),
+    "sum": Op(lambda t, d, k: t.sum()),
+    "sum_dim": Op(lambda t, d, k: t.sum(d, keepdim=k), min_ndim=1, needs_dim=True),
+    "mean_dim": Op(
+        lambda t, d, k: t.mean(d, keepdim=k), min_ndim=1, needs_dim=True, nonempty_dim=True
+    ),
+    "amax_dim": Op(
+        lambda t, d, k: t.amax(d, keepdim=k),
+        min_ndim=1,
+        needs_dim=True,
+        nonempty_dim=True,
+        extremum=True,
+    ),
+    "amin": Op(lambda t, d, k: t.amin(), nonempty=True, extremum=True),
+    "norm": Op(lambda t, d, k: torch.linalg.vector_norm(t)),
+    "softmax": Op(lambda t, d, k: torch.softmax(t, d), min_ndim=1, needs_dim=True),
+    "log_softmax": Op(lambda t, d, k: torch.log_softmax(t, d), min_ndim=1, needs_dim=True),
+    "cumsum": Op(lambda t, d, k: torch.cumsum(t, d), min_ndim=1, needs_dim=True),
+    "transpose": Op(lambda t, d, k: t.transpose(d, -1), min_ndim=1, needs_dim=True),
+    "flatten": Op(lambda t, d, k: t.flatten()),
+    "unsqueeze": Op(lambda t, d, k: t.unsqueeze(d), min_ndim=1, needs_dim=True),
+    "cat": Op(lambda t, d, k: torch.cat([t, t], d), min_ndim=1, needs_dim=True),
+    "matmul": Op(_matmul, min_ndim=1),
+}
+
+
+def apply(name: str, tensor: torch.Tensor, dim: int, keepdim: bool) -> torch.Tensor:
+    if name not in OPS:
+        raise ValueError(f"op={name!r} must be one of {sorted(OPS)}")
+    return OPS[name].apply(tensor, dim, keepdim)
