@@ -114,7 +114,9 @@ class MLPCase:
 
 OPTIMIZERS = ("SGD", "Adam", "AdamW")
 IMPLEMENTATIONS = ("default", "foreach", "fused")
-LAYOUTS = ("fsdp", "hsdp", "fsdp_tp", "ddp", "zero")
+LAYOUTS = ("fsdp", "hsdp", "fsdp_tp", "hsdp_tp", "ddp", "zero")
+TP_LAYOUTS = ("fsdp_tp", "hsdp_tp")
+"""Layouts whose last mesh axis is tensor-parallel (a Colwise/Rowwise two-layer MLP)."""
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,8 @@ class ParityCase:
 
     layout: str
     mesh_shape: tuple[int, ...]
-    """``(world,)`` for fsdp/ddp/zero; ``(replicate, shard)`` for hsdp; ``(dp, tp)``."""
+    """``(world,)`` for fsdp/ddp/zero; ``(replicate, shard)`` for hsdp; ``(dp, tp)`` for
+    fsdp_tp; ``(replicate, shard, tp)`` for hsdp_tp."""
     dims: tuple[int, ...]
     bias: bool
     batch_per_rank: int
@@ -174,7 +177,8 @@ class ParityCase:
     @property
     def data_parallel(self) -> int:
         """Ranks that see different data: all but the tensor-parallel axis."""
-        return self.mesh_shape[0] if self.layout == "fsdp_tp" else math.prod(self.mesh_shape)
+        tp = self.mesh_shape[-1] if self.layout in TP_LAYOUTS else 1
+        return math.prod(self.mesh_shape) // tp
 
     def call(self) -> str:
         precision = ", bf16 params/fp32 reduce" if self.mixed_precision else ""
@@ -247,7 +251,7 @@ class JoinCase:
     dtype: str = "float64"
 
 
-SHARDED_LAYOUTS = ("fsdp", "hsdp", "fsdp_tp")
+SHARDED_LAYOUTS = ("fsdp", "hsdp", "fsdp_tp", "hsdp_tp")
 
 
 @dataclass(frozen=True)
@@ -278,7 +282,7 @@ class StateDictCase:
     def shard_size(self) -> int:
         """Ranks on the axis ``fully_shard`` shards over."""
         mesh = self.train.mesh_shape
-        return {"fsdp": mesh[0], "hsdp": mesh[-1], "fsdp_tp": mesh[0]}[self.train.layout]
+        return mesh[1] if self.train.layout in ("hsdp", "hsdp_tp") else mesh[0]
 
     def call(self) -> str:
         options = [f"reshard_after_forward={self.reshard_after_forward}"]

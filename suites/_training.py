@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from harness.cases import ParityCase
+from harness.cases import TP_LAYOUTS, ParityCase
 from harness.context import RankContext
 from harness.dtensor import tensor_from, to_numpy
 from harness.models import build_mlp
@@ -87,16 +87,28 @@ def parallelize(
     ``offload_policy``, ``shard_placement_fn``)."""
     if case.layout in ("ddp", "zero"):
         return DistributedDataParallel(model), ctx.rank
-    if case.layout == "fsdp_tp":
-        mesh = ctx.mesh(case.mesh_shape, ("dp", "tp"))
-        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-        _fully_shard(model, case, mesh["dp"], fsdp_options)
-        coordinate = mesh.get_coordinate()
-        assert coordinate is not None
-        return model, coordinate[0]
+    if case.layout in TP_LAYOUTS:
+        return model, _tensor_parallel(model, case, ctx, fsdp_options)
     names = ("replicate", "shard") if case.layout == "hsdp" else None
     _fully_shard(model, case, ctx.mesh(case.mesh_shape, names), fsdp_options)
     return model, ctx.rank
+
+
+def _tensor_parallel(
+    model: nn.Sequential, case: ParityCase, ctx: RankContext, options: dict[str, Any]
+) -> int:
+    """Colwise/Rowwise over the last mesh axis, fully_shard over the others (1-D for
+    fsdp_tp, (replicate, shard) for hsdp_tp); this rank's data-parallel index (the mesh is
+    row-major with tp last)."""
+    if case.layout == "fsdp_tp":
+        mesh = ctx.mesh(case.mesh_shape, ("dp", "tp"))
+        dp_mesh = mesh["dp"]
+    else:
+        mesh = ctx.mesh(case.mesh_shape, ("replicate", "shard", "tp"))
+        dp_mesh = mesh["replicate", "shard"]
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    _fully_shard(model, case, dp_mesh, options)
+    return ctx.rank // case.mesh_shape[-1]
 
 
 def _fully_shard(
@@ -124,9 +136,8 @@ def optimizer_for(model: nn.Module, case: ParityCase) -> Any:
 
 def data_parallel_ranks(case: ParityCase) -> list[int]:
     """One rank per data-parallel index: they hold the distinct losses."""
-    if case.layout == "fsdp_tp":
-        dp, tp = case.mesh_shape
-        return [d * tp for d in range(dp)]
+    if case.layout in TP_LAYOUTS:
+        return [d * case.mesh_shape[-1] for d in range(case.data_parallel)]
     return list(range(case.data_parallel))
 
 
