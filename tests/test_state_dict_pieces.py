@@ -10,12 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.cases import OptimConfig, ParityCase, ResumeCase, StateDictCase
+from harness.cases import TP_LAYOUTS, OptimConfig, ParityCase, ResumeCase, StateDictCase
 from harness.strategies.state_dict import (
     layout_meshes,
     reshard_cases,
     resume_cases,
     state_dict_cases,
+    strided_meshes,
+    uneven_strided_cases,
 )
 from specs.resume import Phase, Resolved, plan, segments, step_after
 
@@ -154,8 +156,36 @@ def test_state_dict_cases_are_valid_by_construction(data, world_size):
     rafs = case.reshard_after_forward
     if not (rafs is None or isinstance(rafs, bool)):
         assert case.shard_size % rafs == 0
-    assert not (case.shard_largest_dim and train.layout == "fsdp_tp")
+    assert not (case.shard_largest_dim and train.layout in TP_LAYOUTS)
+    assert not (world_size == 1 and train.layout in TP_LAYOUTS)
     assert not case.offload and not case.pin_memory
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), world_size=SIZES)
+def test_even_strided_cases_give_every_rank_an_equal_piece(data, world_size):
+    case = data.draw(state_dict_cases(world_size, layouts=TP_LAYOUTS, even_strided=True))
+    train = case.train
+    if train.layout in TP_LAYOUTS:  # world size 1 falls back to fsdp
+        assert train.dims[1] % (case.shard_size * train.mesh_shape[-1]) == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), world_size=st.sampled_from((4, 6, 8)))
+def test_uneven_strided_cases_shard_tp_pieces_unevenly(data, world_size):
+    case = data.draw(uneven_strided_cases(world_size))
+    train = case.train
+    tp = train.mesh_shape[-1]
+    assert train.mesh_shape in strided_meshes(world_size, train.layout)
+    assert case.shard_size > 1 and tp > 1 and math.prod(train.mesh_shape) == world_size
+    assert train.dims[1] % tp == 0 and train.dims[1] % (case.shard_size * tp) != 0
+
+
+def test_strided_meshes_need_shard_and_tp_axes_of_two():
+    assert strided_meshes(4, "fsdp_tp") == ((2, 2),)
+    assert strided_meshes(4, "hsdp_tp") == ((1, 2, 2),)
+    assert strided_meshes(8, "hsdp_tp") == ((1, 2, 4), (1, 4, 2), (2, 2, 2))
+    assert strided_meshes(3, "fsdp_tp") == strided_meshes(2, "hsdp_tp") == ()
 
 
 @settings(max_examples=150, deadline=None)
@@ -187,6 +217,13 @@ def test_layout_meshes_follow_the_layout():
     assert layout_meshes(4, "hsdp", (3, 4)) == ((1, 4), (2, 2), (4, 1))
     assert layout_meshes(4, "fsdp_tp", (3, 6, 2)) == ((2, 2), (4, 1))
     assert layout_meshes(4, "fsdp_tp", (3, 4)) == ()
+    assert layout_meshes(4, "hsdp_tp", (3, 6, 2)) == (
+        (1, 2, 2),
+        (1, 4, 1),
+        (2, 1, 2),
+        (2, 2, 1),
+        (4, 1, 1),
+    )
 
 
 @pytest.mark.parametrize(
@@ -199,6 +236,8 @@ def test_layout_meshes_follow_the_layout():
         (lambda: reshard_cases(2, ()), r"load_sizes=\(\) must name"),
         (lambda: resume_cases(2, (2,), max_actions=0), "max_actions=0"),
         (lambda: layout_meshes(2, "zero", (1, 2)), "layout='zero' must be one of"),
+        (lambda: strided_meshes(4, "hsdp"), "layout='hsdp' must be one of"),
+        (lambda: uneven_strided_cases(3), "world_size=3 has no mesh with shard and TP axes"),
     ],
 )
 def test_strategies_reject_bad_arguments(build, message):

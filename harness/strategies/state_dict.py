@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from harness.cases import (
     OPTIMIZERS,
     SHARDED_LAYOUTS,
+    TP_LAYOUTS,
     ReshardCase,
     ResumeCase,
     StateDictCase,
@@ -39,13 +40,16 @@ def state_dict_cases(
     largest_dim: bool = False,
     offload: bool = False,
     pin_memory: Sequence[bool] = (False,),
+    even_strided: bool = False,
 ) -> st.SearchStrategy[StateDictCase]:
     """A sharded MLP under one of ``layouts`` trained ``steps[0]..steps[1]`` steps by a
     stateful optimizer of ``names`` (SGD always with momentum), dims drawn around the world
     size (uneven and empty shards). ``reshard`` draws ``reshard_after_forward`` (None, True,
     False, or a factor of the shard axis), ``largest_dim`` the largest-dim placement fn
     (fsdp/hsdp), ``offload`` sets a ``CPUOffloadPolicy`` with ``pin_memory`` drawn from
-    ``pin_memory`` (True needs an accelerator)."""
+    ``pin_memory`` (True needs an accelerator). ``even_strided`` draws TP layouts' hidden
+    size as a multiple of shard axis × TP degree: torch 2.13 cannot set full state dicts
+    into uneven ``_StridedShard`` pieces (spec state_dict.full.uneven_strided)."""
     check_subset("layouts", layouts, SHARDED_LAYOUTS)
     check_subset("names", names, OPTIMIZERS)
     if not (isinstance(steps, tuple) and len(steps) == 2 and 0 <= steps[0] <= steps[1]):
@@ -61,6 +65,7 @@ def state_dict_cases(
         largest_dim=largest_dim,
         offload=offload,
         pin_memory=tuple(pin_memory),
+        even_strided=even_strided,
     )
 
 
@@ -77,9 +82,17 @@ def _state_dict_cases(
     largest_dim: bool,
     offload: bool,
     pin_memory: tuple[bool, ...],
+    even_strided: bool,
 ) -> StateDictCase:
-    layout = draw(sampled(layouts))
+    # TP layouts need a TP axis of 2 or more: on a (1, 1) mesh torch 2.13's backward fails
+    # ("would remove or reshape sharded dimension 1"), as the optimizer suite also avoids.
+    usable = tuple(n for n in layouts if n not in TP_LAYOUTS or world_size > 1) or ("fsdp",)
+    layout = draw(sampled(usable))
     train = draw(parity_cases(world_size, layout=layout, unsupported=DTENSOR_UNSUPPORTED))
+    if even_strided and layout in TP_LAYOUTS:
+        pieces = train.mesh_shape[-1] * _shard_axis(layout, train.mesh_shape)
+        dims = (train.dims[0], pieces * draw(st.integers(1, 2)), train.dims[2])
+        train = replace(train, dims=dims)
     optim = draw(optim_configs(names=names, unsupported=DTENSOR_UNSUPPORTED, stateful=True))
     train = replace(train, optim=replace(optim, scheduler=None), steps=draw(st.integers(*steps)))
     case = StateDictCase(train, offload=offload, pin_memory=offload and draw(sampled(pin_memory)))
@@ -87,7 +100,7 @@ def _state_dict_cases(
         factors = tuple(f for f in range(1, case.shard_size + 1) if case.shard_size % f == 0)
         choice = draw(sampled((None, True, False, *factors)))
         case = replace(case, reshard_after_forward=choice)
-    if largest_dim and layout != "fsdp_tp":
+    if largest_dim and layout not in TP_LAYOUTS:
         case = replace(case, shard_largest_dim=draw(st.booleans()))
     return case
 
@@ -96,17 +109,57 @@ def layout_meshes(
     world_size: int, layout: str, dims: tuple[int, ...]
 ) -> tuple[tuple[int, ...], ...]:
     """Meshes ``layout`` can use on ``world_size`` ranks for an MLP of ``dims``: 1-D for
-    fsdp; (replicate, shard) for hsdp; (dp, tp) with tp dividing the hidden size of a
-    two-layer MLP for fsdp_tp (none otherwise)."""
+    fsdp; (replicate, shard) for hsdp; (dp, tp) for fsdp_tp and (replicate, shard, tp) for
+    hsdp_tp, tp dividing the hidden size of a two-layer MLP (none otherwise)."""
     check_int("world_size", world_size, 1)
     if layout not in SHARDED_LAYOUTS:
         raise ValueError(f"layout={layout!r} must be one of {SHARDED_LAYOUTS}")
-    if layout == "fsdp":
-        return ((world_size,),)
-    pairs = tuple(s for s in factorisations(world_size, 2) if len(s) == 2)
-    if layout == "hsdp":
-        return pairs
-    return tuple(s for s in pairs if len(dims) == 3 and dims[1] % s[1] == 0)
+    if layout in ("fsdp", "hsdp"):
+        return _meshes(world_size, layout)
+    return tuple(s for s in _meshes(world_size, layout) if len(dims) == 3 and dims[1] % s[-1] == 0)
+
+
+def _meshes(world_size: int, layout: str) -> tuple[tuple[int, ...], ...]:
+    ndim = {"fsdp": 1, "hsdp": 2, "fsdp_tp": 2, "hsdp_tp": 3}[layout]
+    return tuple(s for s in factorisations(world_size, ndim) if len(s) == ndim)
+
+
+def _shard_axis(layout: str, mesh: tuple[int, ...]) -> int:
+    """The size of the mesh axis fully_shard shards over (StateDictCase.shard_size)."""
+    return mesh[1] if layout in ("hsdp", "hsdp_tp") else mesh[0]
+
+
+def strided_meshes(world_size: int, layout: str) -> tuple[tuple[int, ...], ...]:
+    """Meshes of a TP ``layout`` on ``world_size`` ranks whose shard and TP axes both have
+    2 or more ranks: there FSDP shards TP pieces again (``_StridedShard``)."""
+    if layout not in TP_LAYOUTS:
+        raise ValueError(f"layout={layout!r} must be one of {TP_LAYOUTS}")
+    check_int("world_size", world_size, 1)
+    meshes = _meshes(world_size, layout)
+    return tuple(m for m in meshes if m[-1] > 1 and _shard_axis(layout, m) > 1)
+
+
+def uneven_strided_cases(world_size: int) -> st.SearchStrategy[StateDictCase]:
+    """A TP layout on a mesh of ``strided_meshes`` with a hidden size the TP degree
+    divides and shard axis × TP degree does not: FSDP's pieces of the TP pieces are
+    uneven (or empty)."""
+    usable = tuple(n for n in TP_LAYOUTS if strided_meshes(world_size, n))
+    if not usable:
+        raise ValueError(f"world_size={world_size!r} has no mesh with shard and TP axes > 1")
+    return _uneven_strided_cases(world_size, usable)
+
+
+@st.composite
+def _uneven_strided_cases(
+    draw: st.DrawFn, world_size: int, layouts: tuple[str, ...]
+) -> StateDictCase:
+    case = draw(state_dict_cases(world_size, layouts=layouts))
+    layout = case.train.layout
+    mesh = draw(sampled(strided_meshes(world_size, layout)))
+    shard, tp = _shard_axis(layout, mesh), mesh[-1]
+    times = draw(st.integers(1, 2 * shard).filter(lambda k: k % shard != 0))
+    dims = (case.train.dims[0], tp * times, case.train.dims[2])
+    return replace(case, train=replace(case.train, mesh_shape=mesh, dims=dims))
 
 
 @st.composite
@@ -120,7 +173,7 @@ def _moved(
     layout = draw(sampled(usable))
     mesh = draw(sampled(layout_meshes(world_size, layout, dims)))
     train = replace(case.train, layout=layout, mesh_shape=mesh, seed=(case.train.seed + 1) % 2**32)
-    largest = case.shard_largest_dim and layout != "fsdp_tp"
+    largest = case.shard_largest_dim and layout not in TP_LAYOUTS
     return replace(case, train=train, shard_largest_dim=largest, reshard_after_forward=None)
 
 
