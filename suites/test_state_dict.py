@@ -22,12 +22,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import World, Worlds
-from harness.cases import StateDictCase
+from harness.cases import TP_LAYOUTS, StateDictCase
 from harness.dtensor import to_numpy
 from harness.models import build_mlp
 from harness.optim import param_groups
 from harness.parity import assert_array_equal, assert_equal_values
-from harness.strategies.state_dict import reshard_cases, resume_cases, state_dict_cases
+from harness.strategies.state_dict import (
+    reshard_cases,
+    resume_cases,
+    state_dict_cases,
+    strided_meshes,
+    uneven_strided_cases,
+)
 from specs import resume
 from suites import _state_dict_checks as checks
 from suites import _state_dict_dcp as dcp
@@ -174,8 +180,7 @@ def test_get_state_dict_gives_rank0_the_full_state_on_cpu(
         assert_same_state(got, view.expected, what="rank 0's full state dict", call=call)
 
 
-def _check_set_full(world: World, data: st.DataObject, how: str) -> None:
-    case = data.draw(state_dict_cases(world.world_size), label="case")
+def _check_set_full(world: World, case: StateDictCase, how: str) -> None:
     for rank, states in enumerate(world.run(full.set_full_on_rank, case, how)):
         original, loaded, original_next, loaded_next = states
         what = f"the fresh model and optimizer on rank {rank}"
@@ -188,7 +193,21 @@ def _check_set_full(world: World, data: st.DataObject, how: str) -> None:
 @PROPERTY
 @given(data=st.data())
 def test_set_state_dict_of_a_full_state_dict(world: World, data: st.DataObject) -> None:
-    _check_set_full(world, data, "full")
+    case = data.draw(state_dict_cases(world.world_size, even_strided=True), label="case")
+    _check_set_full(world, case, "full")
+
+
+@pytest.mark.spec("state_dict.full.uneven_strided")
+@PROPERTY
+@given(data=st.data())
+def test_set_full_state_dict_into_uneven_strided_shards(world: World, data: st.DataObject) -> None:
+    if not any(strided_meshes(world.world_size, layout) for layout in TP_LAYOUTS):
+        pytest.skip(
+            f"world size {world.world_size} has no mesh whose shard and TP axes both have 2 or "
+            "more ranks: only there does FSDP shard TP pieces again (_StridedShard)"
+        )
+    case = data.draw(uneven_strided_cases(world.world_size), label="case")
+    _check_set_full(world, case, "full")
 
 
 @pytest.mark.spec("state_dict.full.broadcast_from_rank0")
@@ -197,21 +216,25 @@ def test_set_state_dict_of_a_full_state_dict(world: World, data: st.DataObject) 
 def test_set_model_and_optimizer_state_dicts_broadcast_from_rank0(
     world: World, data: st.DataObject
 ) -> None:
-    _check_set_full(world, data, "broadcast")
+    _check_set_full(world, data.draw(state_dict_cases(world.world_size), label="case"), "broadcast")
 
 
 @pytest.mark.spec("state_dict.full.broadcast_from_rank0_joint")
 @PROPERTY
 @given(data=st.data())
 def test_set_state_dict_broadcast_from_rank0(world: World, data: st.DataObject) -> None:
-    _check_set_full(world, data, "broadcast_joint")
+    _check_set_full(
+        world, data.draw(state_dict_cases(world.world_size), label="case"), "broadcast_joint"
+    )
 
 
 @pytest.mark.spec("state_dict.full.module_load")
 @PROPERTY
 @given(data=st.data())
 def test_load_state_dict_of_full_plain_tensors(world: World, data: st.DataObject) -> None:
-    _check_set_full(world, data, "module_load")
+    _check_set_full(
+        world, data.draw(state_dict_cases(world.world_size), label="case"), "module_load"
+    )
 
 
 # --- optimizer state --------------------------------------------------------------------
