@@ -5,7 +5,7 @@ The public API: ``open_world`` gives a World of ranks (threads today), ``World.r
 ``RankFailure`` with every rank's status.
 """
 
-from harness.runners import AllRanksSkipped, RankFailure, RankOutcome, World, open_world
+from harness.runners import AllRanksSkipped, RankFailure, RankOutcome, World, Worlds, open_world
 
-__all__ = ["AllRanksSkipped", "RankFailure", "RankOutcome", "World", "open_world"]
+__all__ = ["AllRanksSkipped", "RankFailure", "RankOutcome", "World", "Worlds", "open_world"]
 __version__ = "0.1.0"

@@ -259,13 +259,19 @@ def _seed(config: pytest.Config) -> str | None:
     return None if seed is None else str(seed)
 
 
-def reproduce_command(config: pytest.Config, nodeid: str, key: WorldKey | None) -> str:
-    """A command that re-runs one test on the same World with the same hypothesis settings."""
+def reproduce_command(
+    config: pytest.Config, nodeid: str, key: WorldKey | None, *, every_size: bool = False
+) -> str:
+    """A command that re-runs one test on the same World with the same hypothesis settings.
+
+    ``every_size``: the test also draws other world sizes (the ``worlds`` fixture), so the
+    command keeps every configured size; the node ID still selects the test's own World."""
     parts = ["python", "-m", "pytest", shlex.quote(nodeid), "-p", "harness.plugin"]
     if key is not None:
+        sizes = world_sizes(config) if every_size else (key.world_size,)
         parts += [
             f"--runner={key.runner}",
-            f"--world-sizes={key.world_size}",
+            f"--world-sizes={','.join(map(str, sizes))}",
             f"--device={key.device}",
         ]
     if config.getoption("distconf_strict_collectives"):
@@ -358,6 +364,12 @@ def world(request: pytest.FixtureRequest) -> Any:
     if key.device == "cuda":
         needed = key.world_size if key.runner == "processes" else 1
         _require_gpus(config, needed, f"a {key.runner} World of {key.world_size} on cuda")
+    world = _cache(config).get(key.runner, key.world_size, key.device)
+    world.start()  # a World that cannot start is this fixture's error, not a test's failure
+    return world
+
+
+def _cache(config: pytest.Config) -> Any:
     if _worlds_key not in config.stash:
         from harness.runners import WorldCache
 
@@ -365,9 +377,25 @@ def world(request: pytest.FixtureRequest) -> Any:
             timeout=config.getoption("distconf_rank_timeout"),
             strict_collectives=config.getoption("distconf_strict_collectives"),
         )
-    world = config.stash[_worlds_key].get(key.runner, key.world_size, key.device)
-    world.start()  # a World that cannot start is this fixture's error, not a test's failure
-    return world
+    return config.stash[_worlds_key]
+
+
+@pytest.fixture(scope="session")
+def worlds(request: pytest.FixtureRequest) -> Any:
+    """Worlds of every session world size for the configured runner and device (a test's own
+    ``world`` among them): ``worlds.get(m)`` for checks that move between world sizes.
+    ``worlds.sizes`` lists the sizes it serves (on cuda, those this process has GPUs for)."""
+    from harness.runners import Worlds
+
+    config = request.config
+    runner, device = config.getoption("distconf_runner"), config.getoption("distconf_device")
+    sizes = world_sizes(config)
+    if device == "cuda":
+        held = gpus.gpus_held()
+        sizes = tuple(s for s in sizes if (s if runner == "processes" else 1) <= held)
+        if not sizes:
+            _require_gpus(config, min(world_sizes(config)), f"{runner} Worlds on cuda")
+    return Worlds(_cache(config), runner, device, sizes)
 
 
 @pytest.hookimpl(trylast=True)
@@ -382,9 +410,18 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if marker is not None:
         _require_gpus(item.config, int(marker.args[0]), "this test")
     key = world_key(item)
-    worlds = item.config.stash.get(_worlds_key, None)
-    if key is not None and worlds is not None:
-        worlds.get(key.runner, key.world_size, key.device).check_health()
+    cache = item.config.stash.get(_worlds_key, None)
+    if key is not None and cache is not None:
+        cache.get(key.runner, key.world_size, key.device).check_health()
+    if _uses_other_worlds(item) and cache is not None:
+        config = item.config
+        runner, device = config.getoption("distconf_runner"), config.getoption("distconf_device")
+        for world in cache.existing(runner, device):
+            world.check_health()
+
+
+def _uses_other_worlds(item: pytest.Item) -> bool:
+    return "worlds" in getattr(item, "fixturenames", ())
 
 
 # --- spec markers against the catalogue --------------------------------------------------
@@ -517,7 +554,9 @@ def _record(item: pytest.Item, phases: dict[str, Any]) -> TestRecord:
         references=log.references if log else [],
         profile=settings.get_current_profile_name(),
         seed=_seed(item.config),
-        reproduce=reproduce_command(item.config, item.nodeid, world),
+        reproduce=reproduce_command(
+            item.config, item.nodeid, world, every_size=_uses_other_worlds(item)
+        ),
         expectation=item.stash.get(suite_checks.EXPECTATION_KEY, None),
         **outcome,
     )

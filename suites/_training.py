@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from harness.cases import ParityCase
+from harness.cases import TP_LAYOUTS, ParityCase
 from harness.context import RankContext
 from harness.dtensor import tensor_from, to_numpy
 from harness.models import build_mlp
@@ -41,24 +41,36 @@ from harness.parity import assert_close, assert_equal_values
 def train_on_rank(ctx: RankContext, case: ParityCase) -> Trained:
     """Train under ``case.layout``; this rank's losses and every full parameter."""
     model = build_mlp(case, ctx.device)
-    wrapped, dp_rank = _parallelize(model, case, ctx)
-    optimizer = _optimizer(wrapped, model, case)
+    wrapped, dp_rank = parallelize(model, case, ctx)
+    optimizer = optimizer_for(model, case)
     scheduler = build_scheduler(case.optim, optimizer)
     losses = []
     for step in range(case.steps):
-        inputs, targets = step_batch(case, step)
-        rows = rows_of(case, dp_rank)
-        optimizer.zero_grad()
-        loss = loss_of(
-            wrapped(tensor_from(inputs[rows], case.dtype, ctx.device)),
-            tensor_from(targets[rows], case.dtype, ctx.device),
-        )
-        loss.backward()
-        optimizer.step()
+        losses.append(train_step(wrapped, optimizer, case, dp_rank, step, ctx.device))
         if scheduler is not None:
             scheduler.step()
-        losses.append(loss.item())
     return Trained(tuple(losses), {n: _full(p) for n, p in named_full_params(wrapped)})
+
+
+def train_step(
+    wrapped: nn.Module,
+    optimizer: Any,
+    case: ParityCase,
+    dp_rank: int,
+    step: int,
+    device: torch.device,
+) -> float:
+    """One optimizer step on this data-parallel rank's rows of batch ``step``; its loss."""
+    inputs, targets = step_batch(case, step)
+    rows = rows_of(case, dp_rank)
+    optimizer.zero_grad()
+    loss = loss_of(
+        wrapped(tensor_from(inputs[rows], case.dtype, device)),
+        tensor_from(targets[rows], case.dtype, device),
+    )
+    loss.backward()
+    optimizer.step()
+    return loss.item()
 
 
 def _full(param: torch.Tensor) -> Any:
@@ -66,23 +78,42 @@ def _full(param: torch.Tensor) -> Any:
     return to_numpy(param.full_tensor() if isinstance(param, DTensor) else param)
 
 
-def _parallelize(model: nn.Sequential, case: ParityCase, ctx: RankContext) -> tuple[nn.Module, int]:
-    """Apply the layout; the module to call and this rank's data-parallel index."""
+def parallelize(
+    model: nn.Sequential, case: ParityCase, ctx: RankContext, **fsdp_options: Any
+) -> tuple[nn.Module, int]:
+    """Apply the layout; the module to call and this rank's data-parallel index.
+
+    ``fsdp_options`` go to every ``fully_shard`` call (``reshard_after_forward``,
+    ``offload_policy``, ``shard_placement_fn``)."""
     if case.layout in ("ddp", "zero"):
         return DistributedDataParallel(model), ctx.rank
-    if case.layout == "fsdp_tp":
-        mesh = ctx.mesh(case.mesh_shape, ("dp", "tp"))
-        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-        _fully_shard(model, case, mesh["dp"])
-        coordinate = mesh.get_coordinate()
-        assert coordinate is not None
-        return model, coordinate[0]
+    if case.layout in TP_LAYOUTS:
+        return model, _tensor_parallel(model, case, ctx, fsdp_options)
     names = ("replicate", "shard") if case.layout == "hsdp" else None
-    _fully_shard(model, case, ctx.mesh(case.mesh_shape, names))
+    _fully_shard(model, case, ctx.mesh(case.mesh_shape, names), fsdp_options)
     return model, ctx.rank
 
 
-def _fully_shard(model: nn.Sequential, case: ParityCase, mesh: Any) -> None:
+def _tensor_parallel(
+    model: nn.Sequential, case: ParityCase, ctx: RankContext, options: dict[str, Any]
+) -> int:
+    """Colwise/Rowwise over the last mesh axis, fully_shard over the others (1-D for
+    fsdp_tp, (replicate, shard) for hsdp_tp); this rank's data-parallel index (the mesh is
+    row-major with tp last)."""
+    if case.layout == "fsdp_tp":
+        mesh = ctx.mesh(case.mesh_shape, ("dp", "tp"))
+        dp_mesh = mesh["dp"]
+    else:
+        mesh = ctx.mesh(case.mesh_shape, ("replicate", "shard", "tp"))
+        dp_mesh = mesh["replicate", "shard"]
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    _fully_shard(model, case, dp_mesh, options)
+    return ctx.rank // case.mesh_shape[-1]
+
+
+def _fully_shard(
+    model: nn.Sequential, case: ParityCase, mesh: Any, options: dict[str, Any]
+) -> None:
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if case.mixed_precision
@@ -90,11 +121,12 @@ def _fully_shard(model: nn.Sequential, case: ParityCase, mesh: Any) -> None:
     )
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+            fully_shard(layer, mesh=mesh, mp_policy=policy, **options)
+    fully_shard(model, mesh=mesh, mp_policy=policy, **options)
 
 
-def _optimizer(wrapped: nn.Module, model: nn.Module, case: ParityCase) -> Any:
+def optimizer_for(model: nn.Module, case: ParityCase) -> Any:
+    """The configured optimizer over ``model``'s parameters (ZeRO's for the zero layout)."""
     groups = param_groups(model, case.optim)
     if case.layout != "zero":
         return build_optimizer(case.optim, groups)
@@ -104,9 +136,8 @@ def _optimizer(wrapped: nn.Module, model: nn.Module, case: ParityCase) -> Any:
 
 def data_parallel_ranks(case: ParityCase) -> list[int]:
     """One rank per data-parallel index: they hold the distinct losses."""
-    if case.layout == "fsdp_tp":
-        dp, tp = case.mesh_shape
-        return [d * tp for d in range(dp)]
+    if case.layout in TP_LAYOUTS:
+        return [d * case.mesh_shape[-1] for d in range(case.data_parallel)]
     return list(range(case.data_parallel))
 
 

@@ -397,3 +397,43 @@ def test_unknown_distconf_profile_is_a_usage_error(project):
     run = project.runpytest_subprocess("-p", "no:cacheprovider", "--distconf-profile=fast")
     assert run.ret == pytest.ExitCode.USAGE_ERROR
     run.stderr.fnmatch_lines(["*--distconf-profile='fast' must be one of*"])
+
+
+OTHER_WORLDS_SUITE = """
+import pytest
+from hypothesis import given, settings, strategies as st
+
+
+def _size(ctx):
+    return ctx.world_size
+
+
+@pytest.mark.spec("demo.sum")
+@settings(max_examples=4, deadline=None)
+@given(data=st.data())
+def test_sum(world, worlds, data):
+    assert worlds.sizes == (1, 3)
+    assert worlds.get(world.world_size) is world
+    other = data.draw(st.sampled_from(worlds.sizes))
+    assert worlds.get(other).run(_size) == [other] * other
+    with pytest.raises(ValueError, match=r"world_size=2 must be one of .* \\(1, 3\\)"):
+        worlds.get(2)
+
+
+@pytest.mark.spec("demo.rank")
+def test_rank(world):
+    assert world.run(_size) == [world.world_size] * world.world_size
+"""
+
+
+def test_worlds_fixture_serves_the_sessions_other_sizes_and_reproduces_with_them(project):
+    _suite(project, OTHER_WORLDS_SUITE)
+    results = project.path / "r.jsonl"
+    run = project.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--world-sizes=1,3", f"--distconf-results={results}"
+    )
+    run.assert_outcomes(passed=4)
+    tests = {(t["spec"], t["world_size"]): t for t in _records(results) if t["kind"] == "test"}
+    assert "--world-sizes=1,3" in tests["demo.sum", 1]["reproduce"]
+    assert "test_sum[threads-ws1-cpu]" in tests["demo.sum", 1]["reproduce"]
+    assert "--world-sizes=3 " in tests["demo.rank", 3]["reproduce"]

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from harness import AllRanksSkipped, RankFailure, open_world
-from harness.runners import WorldCache
+from harness.runners import WorldCache, Worlds
 from harness.runners._threaded_pg import RunnerUnsupported
 
 
@@ -244,6 +244,23 @@ def test_world_cache_keeps_one_world_per_key():
     try:
         assert cache.get("threads", 2, "cpu") is cache.get("threads", 2, "cpu")
         assert cache.get("threads", 3, "cpu") is not cache.get("threads", 2, "cpu")
+    finally:
+        cache.close()
+
+
+def test_worlds_serve_the_sessions_sizes_from_the_cache_and_check_them():
+    cache = WorldCache(timeout=5.0)
+    try:
+        worlds = Worlds(cache, "threads", "cpu", (1, 3))
+        assert worlds.get(3) is cache.get("threads", 3, "cpu")
+        assert worlds.get(3).run(_rank) == [0, 1, 2]
+        cache.get("threads", 2, "cpu")  # built by another test: listed and checked too
+        assert [w.world_size for w in cache.existing("threads", "cpu")] == [2, 3]
+        worlds.check_health()
+        with pytest.raises(ValueError, match=r"world_size=2 must be one of .* \(1, 3\)"):
+            worlds.get(2)
+        with pytest.raises(ValueError, match=r"sizes=\(\) must name"):
+            Worlds(cache, "threads", "cpu", ())
     finally:
         cache.close()
 

@@ -10,7 +10,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from harness.cases import OptimConfig, ParityCase
+from harness.cases import LAYOUTS, TP_LAYOUTS, OptimConfig, ParityCase
 from harness.models import build_mlp
 from harness.optim import build_optimizer, param_groups, reference_run
 from harness.strategies.training import optim_configs, params_cases, parity_cases, partition_cases
@@ -73,16 +73,20 @@ def test_optimizer_config_validates_its_names():
 @settings(max_examples=100)
 @given(
     world_size=st.integers(1, 8),
-    layout=st.sampled_from(["fsdp", "hsdp", "fsdp_tp", "ddp", "zero"]),
+    layout=st.sampled_from(LAYOUTS),
     data=st.data(),
 )
 def test_parity_cases_fit_their_layout(world_size, layout, data):
-    assume(not (layout == "fsdp_tp" and world_size == 1))
+    assume(not (layout in TP_LAYOUTS and world_size == 1))
     case = data.draw(parity_cases(world_size, layout=layout))
     assert math.prod(case.mesh_shape) == world_size
-    if layout == "fsdp_tp":
-        assert case.mesh_shape[1] > 1 and case.dims[1] % case.mesh_shape[1] == 0
-        assert case.data_parallel == case.mesh_shape[0]
+    if layout in TP_LAYOUTS:
+        tp = case.mesh_shape[-1]
+        assert len(case.mesh_shape) == (2 if layout == "fsdp_tp" else 3)
+        assert tp > 1 and len(case.dims) == 3 and case.dims[1] % tp == 0
+        assert case.data_parallel == world_size // tp
+    else:
+        assert case.data_parallel == world_size
 
 
 def test_parity_case_validates_layout():

@@ -42,6 +42,7 @@ __all__ = [
     "WorldCache",
     "WorldKey",
     "WorldStartError",
+    "Worlds",
     "make_world",
     "open_world",
 ]
@@ -125,7 +126,43 @@ class WorldCache:
             )
         return self._worlds[key]
 
+    def existing(self, runner: str, device: str) -> list[World]:
+        """The Worlds built so far for ``runner`` and ``device``, smallest first."""
+        keys = sorted(k for k in self._worlds if (k.runner, k.device) == (runner, device))
+        return [self._worlds[k] for k in keys]
+
     def close(self) -> None:
         worlds, self._worlds = list(self._worlds.values()), {}
         for world in worlds:
             world.close()
+
+
+class Worlds:
+    """The session's Worlds of one runner and device, by world size.
+
+    For checks that move between world sizes (save a checkpoint at N ranks, load it at M):
+    besides its own ``world``, such a test asks this for a World of another size. Only the
+    session's sizes are served, so a run at ``--world-sizes 2`` never starts other Worlds.
+    """
+
+    def __init__(self, cache: WorldCache, runner: str, device: str, sizes: tuple[int, ...]) -> None:
+        if not sizes:
+            raise ValueError(f"sizes={sizes!r} must name at least one world size")
+        self.runner, self.device, self.sizes = runner, device, tuple(sizes)
+        self._cache = cache
+
+    def get(self, world_size: int) -> World:
+        """The session's World of ``world_size`` ranks (started), shared with the ``world``
+        fixture of tests at that size."""
+        if world_size not in self.sizes:
+            raise ValueError(
+                f"world_size={world_size!r} must be one of this session's world sizes {self.sizes}"
+            )
+        world = self._cache.get(self.runner, world_size, self.device)
+        world.start()
+        return world
+
+    def check_health(self) -> None:
+        """Check every World of this runner and device built so far (see World.check_health)."""
+        for world in self._cache.existing(self.runner, self.device):
+            world.check_health()

@@ -12,6 +12,7 @@ from harness.cases import (
     IMPLEMENTATIONS,
     LAYOUTS,
     OPTIMIZERS,
+    TP_LAYOUTS,
     JoinCase,
     MLPCase,
     OptimConfig,
@@ -128,9 +129,10 @@ def parity_cases(
     """A training run to compare under ``layout`` with one device.
 
     fsdp/ddp/zero use all ranks for data parallelism; hsdp draws (replicate, shard) from the
-    world size's 2-D factorisations (size-1 axes included); fsdp_tp draws (dp, tp) and a
-    hidden size the TP degree divides (torch 2.13 fails otherwise: spec
-    tp.mlp.uneven_hidden checks that separately).
+    world size's 2-D factorisations (size-1 axes included); fsdp_tp draws (dp, tp) and
+    hsdp_tp (replicate, shard, tp), tp > 1 where the world size allows, and a hidden size
+    the TP degree divides (torch 2.13 fails otherwise: spec tp.mlp.uneven_hidden checks
+    that separately).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}")
@@ -150,10 +152,10 @@ def _parity_cases(
     mixed_precision: bool,
 ) -> ParityCase:
     mesh = _layout_mesh(draw, world_size, layout)
-    tp = mesh[1] if layout == "fsdp_tp" else 1
-    n_layers = 2 if layout == "fsdp_tp" else draw(st.integers(1, 3))
+    tp = mesh[-1] if layout in TP_LAYOUTS else 1
+    n_layers = 2 if layout in TP_LAYOUTS else draw(st.integers(1, 3))
     dims = [draw(st.integers(1, 2 * world_size + 1)) for _ in range(n_layers + 1)]
-    if layout == "fsdp_tp":
+    if layout in TP_LAYOUTS:
         dims[1] = tp * draw(st.integers(1, 3))
     dtype = "float32" if mixed_precision else draw(sampled(("float64", "float32")))
     return ParityCase(
@@ -171,10 +173,11 @@ def _parity_cases(
 
 
 def _layout_mesh(draw: st.DrawFn, world_size: int, layout: str) -> tuple[int, ...]:
-    if layout in ("hsdp", "fsdp_tp"):
-        shapes = [s for s in factorisations(world_size, 2) if len(s) == 2]
-        if layout == "fsdp_tp":
-            shapes = [s for s in shapes if s[1] > 1] or shapes
+    if layout in ("hsdp", *TP_LAYOUTS):
+        ndim = 3 if layout == "hsdp_tp" else 2
+        shapes = [s for s in factorisations(world_size, ndim) if len(s) == ndim]
+        if layout in TP_LAYOUTS:
+            shapes = [s for s in shapes if s[-1] > 1] or shapes
         return draw(sampled(tuple(shapes)))
     return (world_size,)
 

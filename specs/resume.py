@@ -1,0 +1,116 @@
+"""What a run of train / checkpoint / reload / resize actions leaves behind (torch-free).
+
+A resumed run trains with interruptions: ``("train", k)`` runs the next ``k`` steps,
+``("checkpoint", 0)`` saves, ``("reload", 0)`` rebuilds the model and optimizer from the
+latest checkpoint on the same ranks, ``("resize", m)`` does so on ``m`` ranks. A reload
+loses the steps since the checkpoint it loads (as a crash would) and they run again, on the
+same batches: batches are indexed by step. With no checkpoint yet, a reload starts again
+from the seeded initial state.
+
+``plan`` splits the actions into the phases one World runs in one call, and gives the world
+size of every step that survives to the end: uninterrupted training with that schedule must
+end in the resumed run's state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ACTIONS = ("train", "checkpoint", "reload", "resize")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """An action of a phase with what the ranks need to run it."""
+
+    kind: str
+    """``train``, ``checkpoint`` or ``reload``."""
+    checkpoint: int | None
+    """checkpoint: the index it is saved under; reload: the index loaded, None for the
+    seeded initial state; train: None."""
+    steps: tuple[int, int]
+    """train: the step indices run, ``range(*steps)``; else ``(s, s)``, s the step count
+    after the action."""
+
+
+@dataclass(frozen=True)
+class Phase:
+    """What one World of ``world_size`` ranks runs in one call: start from checkpoint
+    ``restore`` (None: the seeded initial state) at step ``first_step``, then ``actions``."""
+
+    world_size: int
+    restore: int | None
+    first_step: int
+    actions: tuple[Resolved, ...]
+
+
+@dataclass(frozen=True)
+class _Saved:
+    index: int | None
+    step: int
+    history: tuple[int, ...]
+
+
+def plan(
+    start: int, actions: tuple[tuple[str, int], ...]
+) -> tuple[tuple[Phase, ...], tuple[int, ...]]:
+    """The phases of the resumed run, and the world size of each step that survives."""
+    _check_size("start", start)
+    phases: list[Phase] = []
+    world, restore, first = start, None, 0
+    current: list[Resolved] = []
+    step, history = 0, tuple[int, ...]()
+    latest, saved = _Saved(None, 0, ()), 0
+    for index, (kind, arg) in enumerate(actions):
+        _check_action(index, kind, arg)
+        if kind == "train":
+            current.append(Resolved("train", None, (step, step + arg)))
+            step, history = step + arg, history + (world,) * arg
+        elif kind == "checkpoint":
+            current.append(Resolved("checkpoint", saved, (step, step)))
+            latest, saved = _Saved(saved, step, history), saved + 1
+        elif kind == "reload":
+            step, history = latest.step, latest.history
+            current.append(Resolved("reload", latest.index, (step, step)))
+        else:
+            phases.append(Phase(world, restore, first, tuple(current)))
+            world, restore, first, current = arg, latest.index, latest.step, []
+            step, history = latest.step, latest.history
+    phases.append(Phase(world, restore, first, tuple(current)))
+    return tuple(phases), history
+
+
+def segments(history: tuple[int, ...], final: int) -> tuple[tuple[int, int, int], ...]:
+    """Uninterrupted training for ``history`` as ``(world_size, first, stop)`` runs of
+    steps on one world size; no surviving step is one empty run on ``final`` ranks."""
+    _check_size("final", final)
+    runs: list[tuple[int, int, int]] = []
+    for step, world in enumerate(history):
+        _check_size(f"history[{step}]", world)
+        if runs and runs[-1][0] == world:
+            runs[-1] = (world, runs[-1][1], step + 1)
+        else:
+            runs.append((world, step, step + 1))
+    return tuple(runs) or ((final, 0, 0),)
+
+
+def _check_size(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a world size (an int >= 1)")
+
+
+def _check_action(index: int, kind: str, arg: int) -> None:
+    if kind not in ACTIONS:
+        raise ValueError(f"actions[{index}]={(kind, arg)!r}: the kind must be one of {ACTIONS}")
+    if kind in ("train", "resize") and (
+        not isinstance(arg, int) or isinstance(arg, bool) or arg < 1
+    ):
+        what = "a step count" if kind == "train" else "a world size"
+        raise ValueError(f"actions[{index}]={(kind, arg)!r} must give {what} >= 1")
+
+
+def step_after(start: int, actions: tuple[tuple[str, int], ...]) -> int:
+    """The step count of the run's state after ``actions``."""
+    phases, _ = plan(start, actions)
+    last = phases[-1]
+    return last.actions[-1].steps[1] if last.actions else last.first_step

@@ -1,0 +1,440 @@
+"""State dicts of sharded models: sharded and full state dicts, CPU offload, DCP checkpoints
+loaded at another world size, optimizer state, and resumed training. Every check of
+upstream's test_fully_shard_state_dict.py and the save/load check of
+test_fsdp_hybrid_shard.py, as properties (which upstream test each covers: the specs'
+provenance). ZeRO's consolidate_state_dict round trip is zero.state_dict.roundtrip.
+
+Every comparison is exact (rtol=atol=0): saving and loading state moves values and computes
+nothing, and training on after a load repeats the same arithmetic on the same ranks."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harness import World, Worlds
+from harness.cases import TP_LAYOUTS, StateDictCase
+from harness.dtensor import to_numpy
+from harness.models import build_mlp
+from harness.optim import param_groups
+from harness.parity import assert_array_equal, assert_equal_values
+from harness.strategies.state_dict import (
+    reshard_cases,
+    resume_cases,
+    state_dict_cases,
+    strided_meshes,
+    uneven_strided_cases,
+)
+from specs import resume
+from suites import _state_dict_checks as checks
+from suites import _state_dict_dcp as dcp
+from suites import _state_dict_full as full
+from suites._state_dict_checks import assert_same_state
+
+# World.run enforces its own deadline; hypothesis' per-example deadline would misfire. Each
+# example builds, trains and reloads sharded models (and some write checkpoints): about ten
+# times the cost of a placement example, so a profile's budget buys a tenth of the examples.
+EXAMPLES = max(2, (settings.default.max_examples if settings.default else 100) // 10)
+PROPERTY = settings(deadline=None, max_examples=EXAMPLES)
+
+
+def _reference_keys(case: StateDictCase) -> list[str]:
+    """The unsharded model's state-dict keys, in its order."""
+    return list(build_mlp(case.train, torch.device("cpu")).state_dict())
+
+
+@pytest.mark.spec("state_dict.sharded.roundtrip")
+@PROPERTY
+@given(data=st.data())
+def test_sharded_state_dict_loads_into_a_fresh_model(world: World, data: st.DataObject) -> None:
+    case = data.draw(
+        state_dict_cases(world.world_size, steps=(0, 2), reshard=True, largest_dim=True),
+        label="case",
+    )
+    call, keys = case.call(), _reference_keys(case)
+    facts = dict.fromkeys(checks.SHARDED_FACTS, True)
+    for rank, trip in enumerate(world.run(checks.sharded_roundtrip_on_rank, case)):
+        assert_equal_values(trip.keys, keys, what=f"state dict keys on rank {rank}", call=call)
+        assert_equal_values(trip.param_names, keys, what=f"parameters on rank {rank}", call=call)
+        for key, seen in trip.facts.items():
+            assert_equal_values(seen, facts, what=f"{key!r} on rank {rank}", call=call)
+        assert_equal_values(
+            trip.incompatible,
+            ([], []),
+            what=f"(missing, unexpected) keys on rank {rank}",
+            call=call,
+        )
+        for name, saved in trip.saved.items():  # exact: loading copies values
+            assert_array_equal(
+                trip.loaded[name], saved, what=f"{name} loaded on rank {rank}", call=call
+            )
+        (loss, state), (loaded_loss, loaded_state) = trip.next_steps
+        # exact: the same arithmetic on the same values on the same ranks
+        assert_equal_values(
+            loaded_loss, loss, what=f"loss of the next step after loading on rank {rank}", call=call
+        )
+        assert_same_state(
+            loaded_state,
+            state,
+            what=f"the loaded model after the next step on rank {rank}",
+            call=call,
+        )
+
+
+@pytest.mark.spec("state_dict.sharded.reshard_after_forward")
+@PROPERTY
+@given(data=st.data())
+def test_state_dict_is_the_same_before_and_after_a_forward(
+    world: World, data: st.DataObject
+) -> None:
+    case = data.draw(state_dict_cases(world.world_size, steps=(0, 2), reshard=True), label="case")
+    for rank, (before, after) in enumerate(world.run(checks.reshard_after_forward_on_rank, case)):
+        assert_equal_values(
+            list(after), list(before), what=f"keys on rank {rank}", call=case.call()
+        )
+        for key, (placements, local, value) in before.items():
+            what = f"{key} after a forward on rank {rank}"
+            assert_equal_values(
+                after[key][0], placements, what=f"placements of {what}", call=case.call()
+            )
+            assert_array_equal(
+                after[key][1], local, what=f"local piece of {what}", call=case.call()
+            )
+            assert_array_equal(after[key][2], value, what=f"full value of {what}", call=case.call())
+
+
+@pytest.mark.spec("state_dict.sharded.cached")
+@pytest.mark.parametrize("moved", [False, True], ids=["trained", "moved"])
+@PROPERTY
+@given(data=st.data())
+def test_a_state_dict_taken_once_follows_the_parameters(
+    world: World, data: st.DataObject, moved: bool
+) -> None:
+    if moved and world.device == "cpu":
+        pytest.skip(
+            "moving the model off its device and back needs an accelerator: on CPU "
+            "model.cpu() keeps the very storage (run with --device cuda)"
+        )
+    case = data.draw(
+        state_dict_cases(world.world_size, layouts=("fsdp",), steps=(1, 5), names=("AdamW",)),
+        label="case",
+    )
+    for rank, steps in enumerate(world.run(checks.cached_on_rank, case, moved)):
+        for step, facts in enumerate(steps):
+            expected = dict.fromkeys(facts, not moved)
+            what = (
+                f"state dict values sharing storage and value with the parameters after "
+                f"{'moving the model' if moved else f'step {step}'} on rank {rank}"
+            )
+            assert_equal_values(facts, expected, what=what, call=case.call())
+
+
+# --- full state dict --------------------------------------------------------------------
+
+
+@pytest.mark.spec("state_dict.full.gather")
+@PROPERTY
+@given(data=st.data())
+def test_full_tensors_of_the_state_dict_are_the_unsharded_model(
+    world: World, data: st.DataObject
+) -> None:
+    case = data.draw(state_dict_cases(world.world_size, steps=(0, 0)), label="case")
+    model = build_mlp(case.train, torch.device("cpu"))
+    reference = {key: to_numpy(value) for key, value in model.state_dict().items()}
+    call = case.call()
+    for rank, (keys, values, kept) in enumerate(world.run(full.gather_on_rank, case)):
+        assert_equal_values(keys, list(reference), what=f"keys on rank {rank}", call=call)
+        for key, want in reference.items():  # exact: gathering moves values
+            assert_array_equal(values[key], want, what=f"full {key} on rank {rank}", call=call)
+        held = {"cpu"} if rank == 0 else set()
+        assert_equal_values(kept, held, what=f"devices of what rank {rank} keeps", call=call)
+
+
+@pytest.mark.spec("state_dict.full.get_state_dict")
+@PROPERTY
+@given(data=st.data())
+def test_get_state_dict_gives_rank0_the_full_state_on_cpu(
+    world: World, data: st.DataObject
+) -> None:
+    case = data.draw(state_dict_cases(world.world_size), label="case")
+    call, keys = case.call(), _reference_keys(case)
+    for rank, view in enumerate(world.run(full.full_get_on_rank, case)):
+        if rank:
+            held = (view.model, view.optim, view.kinds)
+            assert_equal_values(held, ({}, {}, set()), what=f"what rank {rank} holds", call=call)
+            continue
+        assert_equal_values(list(view.model), keys, what="model keys on rank 0", call=call)
+        assert_equal_values(
+            view.kinds, {("Tensor", "cpu")}, what="(type, device) of rank 0's tensors", call=call
+        )
+        got = checks.FullState(view.model, view.optim["state"], view.optim["param_groups"])
+        assert_same_state(got, view.expected, what="rank 0's full state dict", call=call)
+
+
+def _check_set_full(world: World, case: StateDictCase, how: str) -> None:
+    for rank, states in enumerate(world.run(full.set_full_on_rank, case, how)):
+        original, loaded, original_next, loaded_next = states
+        what = f"the fresh model and optimizer on rank {rank}"
+        assert_same_state(loaded, original, what=what, call=case.call())
+        what += " after the next step"
+        assert_same_state(loaded_next, original_next, what=what, call=case.call())
+
+
+@pytest.mark.spec("state_dict.full.set_state_dict")
+@PROPERTY
+@given(data=st.data())
+def test_set_state_dict_of_a_full_state_dict(world: World, data: st.DataObject) -> None:
+    case = data.draw(state_dict_cases(world.world_size, even_strided=True), label="case")
+    _check_set_full(world, case, "full")
+
+
+@pytest.mark.spec("state_dict.full.uneven_strided")
+@PROPERTY
+@given(data=st.data())
+def test_set_full_state_dict_into_uneven_strided_shards(world: World, data: st.DataObject) -> None:
+    if not any(strided_meshes(world.world_size, layout) for layout in TP_LAYOUTS):
+        pytest.skip(
+            f"world size {world.world_size} has no mesh whose shard and TP axes both have 2 or "
+            "more ranks: only there does FSDP shard TP pieces again (_StridedShard)"
+        )
+    case = data.draw(uneven_strided_cases(world.world_size), label="case")
+    _check_set_full(world, case, "full")
+
+
+@pytest.mark.spec("state_dict.full.broadcast_from_rank0")
+@PROPERTY
+@given(data=st.data())
+def test_set_model_and_optimizer_state_dicts_broadcast_from_rank0(
+    world: World, data: st.DataObject
+) -> None:
+    _check_set_full(world, data.draw(state_dict_cases(world.world_size), label="case"), "broadcast")
+
+
+@pytest.mark.spec("state_dict.full.broadcast_from_rank0_joint")
+@PROPERTY
+@given(data=st.data())
+def test_set_state_dict_broadcast_from_rank0(world: World, data: st.DataObject) -> None:
+    _check_set_full(
+        world, data.draw(state_dict_cases(world.world_size), label="case"), "broadcast_joint"
+    )
+
+
+@pytest.mark.spec("state_dict.full.module_load")
+@PROPERTY
+@given(data=st.data())
+def test_load_state_dict_of_full_plain_tensors(world: World, data: st.DataObject) -> None:
+    _check_set_full(
+        world, data.draw(state_dict_cases(world.world_size), label="case"), "module_load"
+    )
+
+
+# --- optimizer state --------------------------------------------------------------------
+
+
+def _group_names(case: StateDictCase) -> list[list[str]]:
+    """Parameter names of each parameter group the case's optimizer is built with."""
+    model = build_mlp(case.train, torch.device("cpu"))
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [[names[id(p)] for p in g["params"]] for g in param_groups(model, case.train.optim)]
+
+
+@pytest.mark.spec("state_dict.optim.fqn_roundtrip")
+@PROPERTY
+@given(data=st.data())
+def test_optimizer_state_dict_is_keyed_by_name_and_loads(world: World, data: st.DataObject) -> None:
+    case = data.draw(state_dict_cases(world.world_size, steps=(1, 3)), label="case")
+    call, keys, groups = case.call(), _reference_keys(case), _group_names(case)
+    for rank, view in enumerate(world.run(full.optim_fqn_on_rank, case)):
+        assert_equal_values(view.state_keys, keys, what=f"state keys on rank {rank}", call=call)
+        assert_equal_values(
+            view.group_params, groups, what=f"parameter groups on rank {rank}", call=call
+        )
+        assert_equal_values(
+            view.placements_as_params,
+            True,
+            what=f"state tensors placed like their parameters on rank {rank}",
+            call=call,
+        )
+        original, loaded, original_next, loaded_next = view.states
+        what = f"the fresh optimizer on rank {rank}"
+        assert_same_state(loaded, original, what=what, call=call)
+        what += " after the next step"
+        assert_same_state(loaded_next, original_next, what=what, call=call)
+
+
+@pytest.mark.spec("state_dict.optim.get_has_no_side_effect")
+@PROPERTY
+@given(data=st.data())
+def test_taking_the_optimizer_state_dict_leaves_training_alone(
+    world: World, data: st.DataObject
+) -> None:
+    # Every optimizer is concerned; Adam and AdamW show it in every case (their step
+    # count), SGD only with weight decay or dampening: drawing those two keeps the known
+    # deviation's expectation deterministic.
+    case = data.draw(
+        state_dict_cases(world.world_size, steps=(1, 2), names=("Adam", "AdamW")), label="case"
+    )
+    for rank, (plain, taken) in enumerate(world.run(full.side_effect_on_rank, case)):
+        what = f"training after taking the state dict before the first step, rank {rank}"
+        assert_same_state(taken, plain, what=what, call=case.call())
+
+
+@pytest.mark.spec("state_dict.hsdp.save_load")
+@PROPERTY
+@given(data=st.data())
+def test_hsdp_groups_and_sharded_save_load(world: World, data: st.DataObject) -> None:
+    case = data.draw(state_dict_cases(world.world_size, layouts=("hsdp",)), label="case")
+    replicas, shard = case.train.mesh_shape
+    for rank, (groups, states) in enumerate(world.run(full.hsdp_on_rank, case)):
+        row, column = divmod(rank, shard)
+        expected = {
+            "replicate": [column + i * shard for i in range(replicas)],
+            "shard": [row * shard + j for j in range(shard)],
+        }
+        for key, ranks in groups.items():
+            axis = key.rsplit(" ", 1)[1]
+            what = f"ranks of the {key} group on rank {rank}"
+            assert_equal_values(ranks, expected[axis], what=what, call=case.call())
+        original, loaded, original_next, loaded_next = states
+        what = f"the fresh HSDP model and optimizer on rank {rank}"
+        assert_same_state(loaded, original, what=what, call=case.call())
+        what += " after the next step"
+        assert_same_state(loaded_next, original_next, what=what, call=case.call())
+
+
+# --- CPU offload ------------------------------------------------------------------------
+
+
+# The offloaded optimizer steps on the CPU; on a CUDA World the other one steps on the GPU,
+# whose kernels may round an element differently (an ulp); on CPU both run the same code.
+OFFLOAD_TOLERANCE = {"float64": (1e-12, 1e-14), "float32": (1e-5, 1e-7)}
+
+
+@pytest.mark.spec("state_dict.cpu_offload.parity")
+@PROPERTY
+@given(data=st.data())
+def test_cpu_offload_trains_like_no_offload(world: World, data: st.DataObject) -> None:
+    pin = (False, True) if world.device == "cuda" else (False,)
+    strategy = state_dict_cases(
+        world.world_size, layouts=("fsdp", "hsdp"), offload=True, pin_memory=pin
+    )
+    case = data.draw(strategy, label="case")
+    _check_offload(world, case)
+
+
+def _check_offload(world: World, case: StateDictCase) -> None:
+    rtol, atol = OFFLOAD_TOLERANCE[case.train.dtype] if world.device == "cuda" else (0.0, 0.0)
+    why = "CPU and GPU optimizer kernels round differently"
+    call = case.call()
+    for rank, (devices, offloaded, plain, loaded) in enumerate(
+        world.run(full.offload_on_rank, case)
+    ):
+        assert_equal_values(devices, ["cpu"], what=f"state dict devices on rank {rank}", call=call)
+        what = f"offloaded training against training on the device, rank {rank}"
+        assert_same_state(offloaded, plain, what=what, call=call, rtol=rtol, atol=atol, why=why)
+        for name, value in offloaded.params.items():  # exact: loading copies values
+            what = f"{name} loaded into a fresh offloaded model on rank {rank}"
+            assert_array_equal(loaded[name], value, what=what, call=call)
+
+
+@pytest.mark.spec("state_dict.cpu_offload.meta_load")
+@PROPERTY
+@given(data=st.data())
+def test_offloaded_meta_model_loads_its_parameters_one_by_one(
+    world: World, data: st.DataObject
+) -> None:
+    case = data.draw(state_dict_cases(world.world_size, layouts=("fsdp",)), label="case")
+    case = replace(case, offload=True)
+    cpu_state_dict = data.draw(st.booleans(), label="cpu_state_dict")
+    call = f"{case.call()}, pieces on {'CPU' if cpu_state_dict else world.device}"
+    for rank, seen in enumerate(world.run(full.meta_load_on_rank, case, cpu_state_dict)):
+        if world.device != "cpu" and not cpu_state_dict:
+            message = seen.get("error") or ""
+            expected = "Found following parameters on non-CPU device"
+            assert_equal_values(
+                expected in message, True, what=f"error on rank {rank}: {message!r}", call=call
+            )
+            continue
+        assert_equal_values(seen.get("error"), None, what=f"error on rank {rank}", call=call)
+        assert_equal_values(seen["devices"], ["cpu"], what=f"devices on rank {rank}", call=call)
+        for key, want in seen["expected"].items():  # exact: loading copies values
+            what = f"{key} after loading on rank {rank}"
+            assert_array_equal(seen["values"][key], want, what=what, call=call)
+
+
+@pytest.mark.spec("state_dict.cpu_offload.pin_memory_without_accelerator")
+@PROPERTY
+@given(data=st.data())
+def test_default_offload_policy_on_a_host_without_accelerator(
+    world: World, data: st.DataObject
+) -> None:
+    if torch.accelerator.is_available():
+        pytest.skip("checks a host without an accelerator; this one has one")
+    strategy = state_dict_cases(
+        world.world_size, layouts=("fsdp", "hsdp"), offload=True, pin_memory=(True,)
+    )
+    case = data.draw(strategy, label="case")
+    _check_offload(world, case)
+
+
+# --- DCP: checkpoints across world sizes, resumed training ---------------------------------
+
+
+@contextlib.contextmanager
+def _checkpoints() -> Iterator[str]:
+    """A directory every rank of every World sees (made and removed by the driver)."""
+    root = tempfile.mkdtemp(prefix="distconf-dcp-")
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.spec("state_dict.dcp.reshard")
+@PROPERTY
+@given(data=st.data())
+def test_dcp_checkpoint_loads_at_another_world_size(
+    world: World, worlds: Worlds, data: st.DataObject
+) -> None:
+    case = data.draw(reshard_cases(world.world_size, worlds.sizes), label="case")
+    loading = worlds.get(math.prod(case.load.train.mesh_shape))
+    with _checkpoints() as root:
+        saved = world.run(dcp.dcp_save_on_rank, case.save, root)
+        loaded = loading.run(dcp.dcp_load_on_rank, case.load, root)
+    call = case.call()
+    for rank, state in enumerate(saved):
+        what = f"the state gathered on saving rank {rank}"
+        assert_same_state(state, saved[0], what=what, call=call)
+    for rank, state in enumerate(loaded):
+        what = f"the state loaded on rank {rank} of {loading.world_size}"
+        assert_same_state(state, saved[0], what=what, call=call)
+
+
+@pytest.mark.spec("state_dict.resume.equivalence")
+@PROPERTY
+@given(data=st.data())
+def test_resumed_training_ends_where_uninterrupted_training_does(
+    world: World, worlds: Worlds, data: st.DataObject
+) -> None:
+    case = data.draw(resume_cases(world.world_size, worlds.sizes), label="case")
+    phases, history = resume.plan(case.start, case.actions)
+    with _checkpoints() as root:
+        for phase in phases:
+            resumed = worlds.get(phase.world_size).run(dcp.resumed_phase_on_rank, case, phase, root)
+    state = None
+    for size, first, stop in resume.segments(history, phases[-1].world_size):
+        uninterrupted = worlds.get(size).run(dcp.uninterrupted_on_rank, case, first, stop, state)
+        state = uninterrupted[0]
+    assert state is not None, "segments() gives at least one run"
+    for rank, got in enumerate(resumed):
+        what = f"the resumed run on rank {rank} (uninterrupted: {len(history)} step(s))"
+        assert_same_state(got, state, what=what, call=case.call())
