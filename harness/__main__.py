@@ -200,7 +200,8 @@ def _mutate(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: --faults: {exc}") from None
     mutate.print_table(result)
     if result.clean:
-        _write_report([Path(result.clean["results"])], out / "report.html", out / "mutation.json")
+        suite_runs = sorted(p for p in Path(result.clean["results"]).iterdir() if p.is_dir())
+        _write_report(suite_runs, out / "report.html", out / "mutation.json")
     print(f"table: {out / 'mutation.json'}")
     caught, total = result.score
     return 2 if result.void else int(caught < total)

@@ -1,7 +1,9 @@
 """``python -m harness mutate``: the detection score of the suites against the fault catalogue.
 
-One clean run (it must have no unexpected outcome, or the score is void), then one run per
-fault with the fault injected (``--distconf-faults``). A fault run starts with the suites of
+One clean run (it must have no unexpected outcome, or the score is void), and one run per
+fault with the fault injected (``--distconf-faults``). With ``--jobs N`` the clean run is
+split into one run per suite and N runs go at once, clean suites first: a fault run that
+would start after a clean suite failed is not started. A fault run starts with the suites of
 the fault's area and stops at the first failure: the fault is *caught* by the spec that
 failed, after the time and the number of examples the record says, with the shrunk
 counterexample hypothesis printed. Every run is a ``python -m harness run`` subprocess with
@@ -145,14 +147,8 @@ def fault_run(
     """Run ``suites`` with ``fault`` injected, stopping at the first failure."""
     extra = (f"--distconf-faults={fault.id}", "--exitfirst")
     code, seconds = _launch(_run_command(config, out, suites, extra), out / "log.txt")
-    result = FaultResult(
-        fault=fault.id,
-        area=fault.area,
-        bug_class=fault.bug_class,
-        summary=fault.summary,
-        caught=False,
-        wall_seconds=round(seconds, 1),
-    )
+    result = _uncaught(fault)
+    result.wall_seconds = round(seconds, 1)
     tests = _tests(out)
     if not tests:
         result.problem = f"the run wrote no test records (exit code {code}); see {out / 'log.txt'}"
@@ -187,36 +183,67 @@ def mutate(
     *,
     jobs: int = 1,
 ) -> Mutation:
-    """The clean run, then every fault; ``out/mutation.json`` is kept current throughout."""
+    """The clean run and every fault; ``out/mutation.json`` is kept current throughout."""
     selected = faults.select(fault_ids or list(faults.FAULTS))
     specs = catalogue.load()
     available = list(config.suites) or sorted({s.suite for s in specs.values()})
     mutation = Mutation(config={**asdict(config), "faults": [f.id for f in selected], "jobs": jobs})
     out.mkdir(parents=True, exist_ok=True)
     table = out / "mutation.json"
-    mutation.clean = clean_run(config, out / "clean", available)
-    mutation.write(table)
-    if mutation.clean["exit_code"] != 0 or mutation.clean["unexpected"]:
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        clean_parts = [
+            pool.submit(clean_run, config, out / "clean" / suite, (suite,)) for suite in available
+        ]
+
+        def one(fault: faults.Fault) -> FaultResult:
+            if any(part.done() and not _passed(part.result()) for part in clean_parts):
+                result = _uncaught(fault)
+                result.problem = "not run: a clean suite run failed before this fault's run"
+                return result
+            suites = suite_order(fault.area, available, specs)
+            return fault_run(fault, config, out / "faults" / fault.id, suites)
+
+        for result in pool.map(one, selected):
+            mutation.results.append(result)
+            mutation.clean = _merged([p.result() for p in clean_parts if p.done()], out / "clean")
+            mutation.write(table)
+            print(_row(result), flush=True)
+        mutation.clean = _merged([p.result() for p in clean_parts], out / "clean")
+    if not _passed(mutation.clean):
         mutation.void = (
             f"the clean run did not pass (exit code {mutation.clean['exit_code']}, "
             f"{len(mutation.clean['unexpected'])} unexpected outcome(s)): a fault cannot be "
             "told from a failure that is already there"
         )
-        mutation.write(table)
-        return mutation
-
-    def one(fault: faults.Fault) -> FaultResult:
-        suites = suite_order(fault.area, available, specs)
-        return fault_run(fault, config, out / "faults" / fault.id, suites)
-
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        for result in pool.map(one, selected):
-            mutation.results.append(result)
-            mutation.write(table)
-            print(_row(result), flush=True)
     mutation.finished = True
     mutation.write(table)
     return mutation
+
+
+def _passed(clean: dict[str, Any]) -> bool:
+    return clean["exit_code"] == 0 and not clean["unexpected"]
+
+
+def _merged(parts: list[dict[str, Any]], out: Path) -> dict[str, Any]:
+    """One clean-run entry for the per-suite clean runs finished so far."""
+    return {
+        "exit_code": next((p["exit_code"] for p in parts if p["exit_code"] != 0), 0),
+        "seconds": round(sum(p["seconds"] for p in parts), 1),
+        "tests": sum(p["tests"] for p in parts),
+        "unexpected": [entry for p in parts for entry in p["unexpected"]],
+        "results": str(out),
+        "suite_runs": len(parts),
+    }
+
+
+def _uncaught(fault: faults.Fault) -> FaultResult:
+    return FaultResult(
+        fault=fault.id,
+        area=fault.area,
+        bug_class=fault.bug_class,
+        summary=fault.summary,
+        caught=False,
+    )
 
 
 def _row(result: FaultResult) -> str:

@@ -203,6 +203,70 @@ def test_suites_of_the_faults_area_run_first():
     assert order[0] == "zero" and sorted(order) == available
 
 
+def _fake_runs(monkeypatch, failing_suites=()):
+    """clean_run and fault_run stand-ins: which ran, in which order; no subprocesses."""
+    ran: list[str] = []
+
+    def clean_run(config, out, suites):
+        ran.append(f"clean:{suites[0]}")
+        failed = suites[0] in failing_suites
+        unexpected = [f"{suites[0]}::t: failed"] if failed else []
+        return {
+            "exit_code": int(failed),
+            "seconds": 1.0,
+            "tests": 1,
+            "unexpected": unexpected,
+            "results": str(out),
+        }
+
+    def fault_run(fault, config, out, suites):
+        ran.append(f"fault:{fault.id}")
+        result = mutate._uncaught(fault)
+        result.caught = True
+        return result
+
+    monkeypatch.setattr(mutate, "clean_run", clean_run)
+    monkeypatch.setattr(mutate, "fault_run", fault_run)
+    return ran
+
+
+CONFIG = mutate.RunConfig(
+    runner="threads",
+    device="cpu",
+    profile="ci",
+    world_sizes="1,2",
+    rank_timeout=60.0,
+    suites=("placements", "uneven"),
+)
+TWO_FAULTS = ["dtensor.partial_avg_as_sum", "uneven.padding_leaks"]
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_mutate_runs_every_clean_suite_and_every_fault(monkeypatch, tmp_path, jobs):
+    ran = _fake_runs(monkeypatch)
+    result = mutate.mutate(CONFIG, TWO_FAULTS, tmp_path, jobs=jobs)
+    assert sorted(ran) == sorted(
+        ["clean:placements", "clean:uneven", *(f"fault:{f}" for f in TWO_FAULTS)]
+    )
+    assert result.score == (2, 2) and result.void is None and result.finished
+    assert result.clean["suite_runs"] == 2 and result.clean["tests"] == 2
+    written = json.loads((tmp_path / "mutation.json").read_text())
+    assert written["score"] == {"caught": 2, "faults": 2} and written["finished"]
+
+
+def test_a_failing_clean_suite_voids_the_score_and_later_fault_runs_do_not_start(
+    monkeypatch, tmp_path
+):
+    ran = _fake_runs(monkeypatch, failing_suites=("uneven",))
+    result = mutate.mutate(CONFIG, TWO_FAULTS, tmp_path, jobs=1)
+    assert ran == ["clean:placements", "clean:uneven"]
+    assert result.void and "1 unexpected outcome(s)" in result.void
+    assert [r.problem for r in result.results] == [
+        "not run: a clean suite run failed before this fault's run"
+    ] * 2
+    assert result.score == (0, 2)
+
+
 def _table(tmp_path, **overrides):
     row = {
         "fault": "dtensor.partial_avg_as_sum",
