@@ -101,3 +101,12 @@ def test_bad_arguments_name_the_value(make, message):
 def test_case_strategies_validate_world_size_when_built(strategy):
     with pytest.raises(ValueError, match="world_size=-1 must be an int >= 1"):
         strategy(-1)
+
+
+@given(data=st.data())
+def test_sampled_keeps_bools_and_ints_apart(data):
+    from harness.strategies._common import sampled
+
+    flags, sizes = sampled((True,)), sampled((1,))
+    assert type(data.draw(sizes)) is int and type(data.draw(flags)) is bool
+    assert type(data.draw(sampled((0,)))) is int and type(data.draw(sampled((False,)))) is bool

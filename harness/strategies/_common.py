@@ -35,7 +35,7 @@ def takes_world_size(
 ) -> Callable[..., st.SearchStrategy[T]]:
     """Validate ``world_size`` when the strategy is built, not when it is first drawn from;
     build each distinct strategy once (tests ask for one in every example)."""
-    built = functools.lru_cache(maxsize=256)(composite)
+    built = functools.lru_cache(maxsize=256, typed=True)(composite)
 
     @functools.wraps(composite)
     def strategy(world_size: int, **kwargs: Any) -> st.SearchStrategy[T]:
@@ -62,8 +62,15 @@ def factorisations(world_size: int, max_ndim: int) -> tuple[tuple[int, ...], ...
     )
 
 
-@cache
 def sampled(values: tuple[Any, ...]) -> st.SearchStrategy[Any]:
+    """``st.sampled_from(values)``, built once per distinct ``values``: keyed by each value's
+    type too, since ``(True,) == (1,)`` and ``(False,) == (0,)`` hash alike and a cache keyed
+    on the values alone hands ``sampled((True,))`` to whoever asks for ``sampled((1,))``."""
+    return _sampled(tuple(type(v) for v in values), values)
+
+
+@cache
+def _sampled(types: tuple[type, ...], values: tuple[Any, ...]) -> st.SearchStrategy[Any]:
     return st.sampled_from(values)
 
 
