@@ -9,6 +9,7 @@ from harness.strategies._common import (
     seeds,
     shapes,
 )
+from harness.strategies.hsdp import hsdp_cases, hsdp_meshes, save_load_cases
 from harness.strategies.placements import (
     distribute_cases,
     extremum_to_shard_cases,
@@ -19,6 +20,7 @@ from harness.strategies.placements import (
     uneven_redistribute_cases,
     uneven_shard_cases,
 )
+from harness.strategies.tp import loss_cases, tied_cases, tp_cases, transformer_cases
 from harness.strategies.training import mlp_cases
 
 __all__ = [
@@ -28,14 +30,21 @@ __all__ = [
     "dtypes",
     "extremum_to_shard_cases",
     "factorisations",
+    "hsdp_cases",
+    "hsdp_meshes",
+    "loss_cases",
     "mesh_shapes",
     "mlp_cases",
     "partial_sum_integer_cases",
     "partial_target_cases",
     "placements",
     "redistribute_cases",
+    "save_load_cases",
     "seeds",
     "shapes",
+    "tied_cases",
+    "tp_cases",
+    "transformer_cases",
     "uneven_redistribute_cases",
     "uneven_shard_cases",
 ]
