@@ -150,3 +150,24 @@ def fsdp_param_fqn(fsdp_param: Any) -> str | None:
 
 def fsdp_sharded_param(fsdp_param: Any) -> Any:
     return _attr(fsdp_param, "sharded_param", "FSDPParam")
+
+
+def group_ranks_of_name(group_name: str) -> tuple[int, ...]:
+    """Global ranks of the process group a functional collective names by its group name."""
+    from torch.distributed import distributed_c10d
+
+    resolve = getattr(distributed_c10d, "_resolve_process_group", None)
+    if not callable(resolve):
+        raise RuntimeError(
+            "torch.distributed.distributed_c10d no longer has _resolve_process_group: "
+            "review harness._torch_internals for this torch version"
+        )
+    import torch.distributed as dist
+
+    return tuple(dist.get_process_group_ranks(resolve(group_name)))
+
+
+def fsdp1_replicate_group(unit: Any) -> Any:
+    """The replicate group FSDP1 all-reduces a hybrid unit's gradients over: the private
+    ``_inter_node_pg`` (None when the unit is not hybrid)."""
+    return getattr(unit, "_inter_node_pg", None)

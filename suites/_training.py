@@ -6,6 +6,7 @@ as ``harness.optim.reference_run``; each data-parallel rank takes its rows of th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -42,14 +43,36 @@ def train_on_rank(ctx: RankContext, case: ParityCase) -> Trained:
     """Train under ``case.layout``; this rank's losses and every full parameter."""
     model = build_mlp(case, ctx.device)
     wrapped, dp_rank = parallelize(model, case, ctx)
-    optimizer = optimizer_for(model, case)
+    return train_steps(ctx, case, wrapped, optimizer_for(model, case), dp_rank)
+
+
+def train_steps(
+    ctx: RankContext,
+    case: ParityCase,
+    wrapped: nn.Module,
+    optimizer: Any,
+    dp_rank: int,
+    *,
+    full_params: Callable[[nn.Module], dict[str, np.ndarray]] | None = None,
+    first_step: int = 0,
+) -> Trained:
+    """``case.steps`` steps of ``optimizer`` on an already parallelized model over this
+    data-parallel rank's rows of each global batch (the batches of steps ``first_step``
+    on); the losses and the full parameters by their unsharded names (``full_params``, by
+    default DTensor or plain parameters)."""
     scheduler = build_scheduler(case.optim, optimizer)
     losses = []
-    for step in range(case.steps):
+    for step in range(first_step, first_step + case.steps):
         losses.append(train_step(wrapped, optimizer, case, dp_rank, step, ctx.device))
         if scheduler is not None:
             scheduler.step()
-    return Trained(tuple(losses), {n: _full(p) for n, p in named_full_params(wrapped)})
+    params = (full_params or dtensor_full_params)(wrapped)
+    return Trained(tuple(losses), params)
+
+
+def dtensor_full_params(model: nn.Module) -> dict[str, np.ndarray]:
+    """Every full parameter (a collective per DTensor) by its unsharded name."""
+    return {n: _full(p) for n, p in named_full_params(model)}
 
 
 def train_step(
@@ -178,6 +201,48 @@ def assert_trained_like(
                 atol=atol,
                 dtype=case.dtype,
                 what=f"{name} after {case.steps} step(s) on rank {rank}",
+                why=why,
+                call=call,
+                record_as=f"param/{case.dtype}",
+            )
+
+
+def assert_same_training(
+    got: list[Trained],
+    want: list[Trained],
+    case: ParityCase,
+    *,
+    rtol: float,
+    atol: float,
+    why: str,
+    against: str,
+    call: str,
+) -> None:
+    """Rank by rank, the same losses at every step and the same final parameters as
+    ``want`` (another layout trained on the same rows: ``against``)."""
+    for rank, (result, expected) in enumerate(zip(got, want, strict=True)):
+        assert_close(
+            np.array(result.losses),
+            np.array(expected.losses),
+            rtol=rtol,
+            atol=atol,
+            dtype=case.dtype,
+            what=f"losses on rank {rank} (against {against})",
+            why=why,
+            call=call,
+            record_as=f"loss/{case.dtype}",
+        )
+        assert_equal_values(
+            sorted(result.params), sorted(expected.params), what=f"parameter names on rank {rank}"
+        )
+        for name, value in expected.params.items():
+            assert_close(
+                result.params[name],
+                value,
+                rtol=rtol,
+                atol=atol,
+                dtype=case.dtype,
+                what=f"{name} after {case.steps} step(s) on rank {rank} (against {against})",
                 why=why,
                 call=call,
                 record_as=f"param/{case.dtype}",

@@ -9,6 +9,7 @@ from harness.strategies._common import (
     seeds,
     shapes,
 )
+from harness.strategies.hsdp import hsdp_cases, hsdp_meshes, save_load_cases
 from harness.strategies.modules import (
     graph_cases,
     mesh_mlp_cases,
@@ -28,6 +29,7 @@ from harness.strategies.placements import (
     uneven_redistribute_cases,
     uneven_shard_cases,
 )
+from harness.strategies.tp import loss_cases, tied_cases, tp_cases, transformer_cases
 from harness.strategies.training import mlp_cases
 
 __all__ = [
@@ -39,6 +41,9 @@ __all__ = [
     "extremum_to_shard_cases",
     "factorisations",
     "graph_cases",
+    "hsdp_cases",
+    "hsdp_meshes",
+    "loss_cases",
     "mesh_mlp_cases",
     "mesh_shapes",
     "mlp_cases",
@@ -48,9 +53,13 @@ __all__ = [
     "partial_target_cases",
     "placements",
     "redistribute_cases",
+    "save_load_cases",
     "seeds",
     "shapes",
     "shard_dim_cases",
+    "tied_cases",
+    "tp_cases",
+    "transformer_cases",
     "uneven_redistribute_cases",
     "uneven_shard_cases",
     "zero_size_shapes",

@@ -1,0 +1,137 @@
+"""Strategies for the HSDP suite: (replicate, shard) meshes, hybrid-sharding cases."""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import cache
+
+from hypothesis import strategies as st
+
+from harness.parallel_cases import (
+    GROUP_SOURCES,
+    HSDP_APIS,
+    HYBRID_STRATEGIES,
+    SINGLE_GROUPS,
+    WRAPPINGS,
+    GroupErrorCase,
+    HSDPCase,
+    SyncCase,
+    check_choice,
+)
+from harness.strategies._common import check_int, factorisations, sampled, seeds, takes_world_size
+from harness.strategies.training import parity_cases
+
+# fused SGD has no DTensor sharding strategy in torch 2.13 (spec optim.fsdp.fused_sgd):
+# fully_shard's parameters are DTensors, FSDP1's are plain tensors.
+DTENSOR_UNSUPPORTED = frozenset({("SGD", "fused")})
+MESH_KINDS = ("any", "replicated_shards", "one_rank_shards")
+"""``replicated_shards``: every 2-D factorisation except a one-rank shard group under a
+replicate axis of several ranks; ``one_rank_shards``: exactly that, ``(world, 1)``."""
+
+
+@cache
+def hsdp_meshes(world_size: int, kind: str = "any") -> tuple[tuple[int, int], ...]:
+    """``(replicate, shard)`` meshes of ``world_size`` ranks, size-1 axes included."""
+    check_int("world_size", world_size, 1)
+    check_choice("kind", kind, MESH_KINDS)
+    shapes = [(s[0], s[1]) for s in factorisations(world_size, 2) if len(s) == 2]
+    if kind == "any":
+        return tuple(shapes)
+    one_rank = [(r, s) for r, s in shapes if s == 1 and r > 1]
+    if kind == "one_rank_shards":
+        if not one_rank:
+            raise ValueError(f"world_size={world_size!r} has no (world, 1) mesh with replicas")
+        return tuple(one_rank)
+    return tuple(s for s in shapes if s not in one_rank)
+
+
+def _fsdp1(api: str) -> bool:
+    check_choice("api", api, HSDP_APIS)
+    return api == "fsdp1"
+
+
+def hsdp_cases(world_size: int, *, api: str, meshes: str = "any") -> st.SearchStrategy[HSDPCase]:
+    """Hybrid sharding of a drawn training run (optimizer-suite configs) under ``api``,
+    on a mesh of ``meshes`` kind; FSDP1 also draws how its groups are given and
+    ``use_orig_params`` (without it there is one flat parameter per unit, so one
+    parameter group)."""
+    _fsdp1(api)
+    hsdp_meshes(world_size, meshes)  # validates
+    return _hsdp_cases(world_size, api=api, meshes=meshes)
+
+
+@takes_world_size
+@st.composite
+def _hsdp_cases(draw: st.DrawFn, world_size: int, *, api: str, meshes: str) -> HSDPCase:
+    fsdp1 = _fsdp1(api)
+    unsupported = frozenset() if fsdp1 else DTENSOR_UNSUPPORTED
+    training = draw(parity_cases(world_size, layout="hsdp", unsupported=unsupported))
+    mesh = draw(sampled(hsdp_meshes(world_size, meshes)))
+    use_orig_params = draw(st.booleans()) if fsdp1 else True
+    optim = training.optim
+    if not use_orig_params:
+        optim = dataclasses.replace(optim, second_group=None)
+    return HSDPCase(
+        api=api,
+        strategy=draw(sampled(HYBRID_STRATEGIES)),
+        wrapping=draw(sampled(WRAPPINGS)),
+        groups=draw(sampled(GROUP_SOURCES)) if fsdp1 else "device_mesh",
+        use_orig_params=use_orig_params,
+        training=dataclasses.replace(training, mesh_shape=mesh, optim=optim),
+    )
+
+
+def _mlp_dims(draw: st.DrawFn, world_size: int) -> tuple[int, ...]:
+    n_layers = draw(st.integers(1, 3))
+    return tuple(draw(st.integers(1, 2 * world_size + 1)) for _ in range(n_layers + 1))
+
+
+@takes_world_size
+@st.composite
+def sync_cases(draw: st.DrawFn, world_size: int, *, meshes: str = "replicated_shards") -> SyncCase:
+    return SyncCase(
+        strategy=draw(sampled(HYBRID_STRATEGIES)),
+        groups=draw(sampled(GROUP_SOURCES)),
+        use_orig_params=draw(st.booleans()),
+        mesh_shape=draw(sampled(hsdp_meshes(world_size, meshes))),
+        dims=_mlp_dims(draw, world_size),
+        bias=draw(st.booleans()),
+        dtype=draw(sampled(("float64", "float32"))),
+        seed=draw(seeds()),
+    )
+
+
+@takes_world_size
+@st.composite
+def group_error_cases(draw: st.DrawFn, world_size: int, *, single: bool) -> GroupErrorCase:
+    """``single=False``: no group at all (manual wrapping); ``True``: one group, three
+    groups or a 1-D mesh where a (shard, replicate) pair is needed."""
+    return GroupErrorCase(
+        strategy=draw(sampled(HYBRID_STRATEGIES)),
+        given=draw(sampled(SINGLE_GROUPS)) if single else None,
+        mesh_shape=draw(sampled(hsdp_meshes(world_size))),
+        dims=_mlp_dims(draw, world_size),
+    )
+
+
+@takes_world_size
+@st.composite
+def save_load_cases(
+    draw: st.DrawFn, world_size: int, *, api: str, mixed_mesh: bool = False
+) -> tuple[HSDPCase, int]:
+    """A hybrid training run to save after, and how many steps to train on after loading.
+    No LR scheduler: its state is not part of an optimizer state dict. FSDP1 avoids
+    one-rank shard groups under replicas (hsdp.fsdp1.shard_size_one), and gives a mesh to
+    the hybrid units of a mixed wrapping only when ``mixed_mesh`` (then always:
+    hsdp.fsdp1.save_load_mixed_mesh)."""
+    fsdp1 = _fsdp1(api)
+    case = draw(hsdp_cases(world_size, api=api, meshes="replicated_shards" if fsdp1 else "any"))
+    optim = dataclasses.replace(case.training.optim, scheduler=None)
+    case = dataclasses.replace(case, training=dataclasses.replace(case.training, optim=optim))
+    if mixed_mesh:
+        if not fsdp1:
+            raise ValueError(f"mixed_mesh={mixed_mesh!r} is an FSDP1 case, not api={api!r}")
+        case = dataclasses.replace(case, wrapping="mixed", groups="device_mesh")
+    elif fsdp1 and case.wrapping == "mixed" and case.groups == "device_mesh":
+        case = dataclasses.replace(case, groups="process_groups")
+    return case, draw(st.integers(1, 3))

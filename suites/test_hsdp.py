@@ -1,0 +1,336 @@
+"""HSDP: every check of upstream's test_fsdp_hybrid_shard.py, for FSDP1's hybrid strategies
+and fully_shard on a (replicate, shard) mesh, as properties over every 2-D factorisation of
+the world size. Which upstream test each covers: the specs' provenance. HSDP against one
+device is optim.hsdp.parity; HSDP placements at init are fsdp_init.hsdp.*.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harness import World, parity
+from harness.collectives import CountKey
+from harness.optim import describe_reference, reference_run
+from harness.parallel_cases import GroupErrorCase, HSDPCase, SyncCase
+from harness.parity import assert_array_equal, assert_equal_values
+from harness.strategies.hsdp import group_error_cases, hsdp_cases, save_load_cases, sync_cases
+from suites import _hsdp_training as hsdp
+from suites._hsdp_state_dict import save_load_on_rank
+from suites._training import assert_same_training, assert_trained_like
+
+# World.run enforces its own deadline; hypothesis' per-example deadline would misfire.
+PROPERTY = settings(deadline=None)
+
+# Hybrid sharding sums each gradient over the shard group, then over the replicate group;
+# full sharding sums it over the world in one reduce-scatter; one device takes one mean.
+# Same terms in another order: a few ulps per step, which Adam's normalisation can grow
+# (optim.hsdp.parity measured float64 within 3e-14, float32 within 3e-6 after 5 steps).
+# A missing or mis-scaled replica reduction moves parameters by whole percent.
+TOLERANCE = {"float64": (1e-10, 1e-12), "float32": (1e-4, 1e-6)}  # (rtol, atol)
+WHY = "gradients are summed over the shard and replicate groups in another order"
+
+
+def _check_parity(world: World, case: HSDPCase) -> None:
+    reference = reference_run(case.training)
+    parity.note_reference(describe_reference(case.training))
+    results = world.run(hsdp.hybrid_and_full_on_rank, case)
+    hybrid, full = [h for h, _ in results], [f for _, f in results]
+    rtol, atol = TOLERANCE[case.training.dtype]
+    call = case.call()
+    assert_same_training(
+        hybrid,
+        full,
+        case.training,
+        rtol=rtol,
+        atol=atol,
+        why=WHY,
+        against="full sharding",
+        call=call,
+    )
+    assert_trained_like(reference, full, case.training, rtol=rtol, atol=atol, why=WHY)
+
+
+@pytest.mark.spec("hsdp.fsdp1.parity")
+@PROPERTY
+@given(data=st.data())
+def test_fsdp1_hybrid_trains_like_full_shard(world: World, data: st.DataObject) -> None:
+    case = data.draw(
+        hsdp_cases(world.world_size, api="fsdp1", meshes="replicated_shards"), label="case"
+    )
+    _check_parity(world, case)
+
+
+@pytest.mark.spec("hsdp.fully_shard.parity")
+@PROPERTY
+@given(data=st.data())
+def test_fully_shard_hybrid_trains_like_full_shard(world: World, data: st.DataObject) -> None:
+    case = data.draw(hsdp_cases(world.world_size, api="fully_shard"), label="case")
+    _check_parity(world, case)
+
+
+@pytest.mark.spec("hsdp.fsdp1.shard_size_one")
+@pytest.mark.world_size(min=2)
+@PROPERTY
+@given(data=st.data())
+def test_fsdp1_one_rank_shards_still_sync_replicas(world: World, data: st.DataObject) -> None:
+    if world.device == "cuda":  # FSDP1 refuses sync_module_states for CPU parameters
+        sync = data.draw(sync_cases(world.world_size, meshes="one_rank_shards"), label="sync")
+        _check_sync(world, sync)
+    case = data.draw(
+        hsdp_cases(world.world_size, api="fsdp1", meshes="one_rank_shards"), label="case"
+    )
+    _check_parity(world, case)
+
+
+def mesh_groups(mesh_shape: tuple[int, int], rank: int) -> tuple[tuple[int, ...], ...]:
+    """This rank's (shard group, replicate group, world) ranks on a row-major mesh."""
+    replicate, shard = mesh_shape
+    row, column = divmod(rank, shard)
+    return (
+        tuple(range(row * shard, (row + 1) * shard)),
+        tuple(range(column, replicate * shard, shard)),
+        tuple(range(replicate * shard)),
+    )
+
+
+def expected_collectives(case: HSDPCase, rank: int) -> Counter[CountKey]:
+    """Every collective one forward and backward must issue on ``rank``, per group.
+
+    A hybrid unit reduce-scatters over its shard group (when it has several ranks) and
+    all-reduces over its replicate group (even a one-rank one, as upstream counts). It
+    all-gathers over the shard group in forward and, when it reshards after forward
+    (HYBRID_SHARD, reshard_after_forward=True), again in backward; _HYBRID_SHARD_ZERO2 keeps
+    it unsharded. The fully sharded root of ``mixed`` does the same over the world, except
+    that FSDP1 never reshards its root after forward and runs a one-rank world as NO_SHARD
+    (an all-reduce over that one rank).
+    """
+    shard, replicate, world = mesh_groups(case.mesh_shape, rank)
+    linears = len(case.training.dims) - 1
+    hybrid_units = linears if case.wrapping == "hybrid" else linears - 1
+    full_units = 0 if case.wrapping == "hybrid" else 1
+    reshards = case.strategy == "HYBRID_SHARD"
+    counts: Counter[CountKey] = Counter()
+    gathers: Counter[CountKey] = Counter()
+    if len(shard) > 1:
+        counts[("reduce_scatter", shard)] += hybrid_units
+        gathers[("all_gather", shard)] += hybrid_units * (2 if reshards else 1)
+    counts[("all_reduce", replicate)] += hybrid_units
+    if full_units and len(world) > 1:
+        counts[("reduce_scatter", world)] += 1
+        root_reshards = reshards and case.api == "fully_shard"
+        gathers[("all_gather", world)] += 2 if root_reshards else 1
+    elif full_units and case.api == "fsdp1":
+        counts[("all_reduce", world)] += 1
+    return +(counts + gathers)
+
+
+def _check_collectives(world: World, case: HSDPCase) -> None:
+    for rank, seen in enumerate(world.run(hsdp.one_step_collectives_on_rank, case)):
+        expected = expected_collectives(case, rank)
+        assert_equal_values(
+            dict(sorted(seen.items())),
+            dict(sorted(expected.items())),
+            what=f"collectives (op, group ranks) of one forward and backward on rank {rank}",
+            call=case.call(),
+        )
+
+
+@pytest.mark.spec("hsdp.fsdp1.collectives")
+@PROPERTY
+@given(data=st.data())
+def test_fsdp1_step_issues_the_expected_collectives(world: World, data: st.DataObject) -> None:
+    case = data.draw(
+        hsdp_cases(world.world_size, api="fsdp1", meshes="replicated_shards"), label="case"
+    )
+    _check_collectives(world, case)
+
+
+@pytest.mark.spec("hsdp.fully_shard.collectives")
+@PROPERTY
+@given(data=st.data())
+def test_fully_shard_step_issues_the_expected_collectives(
+    world: World, data: st.DataObject
+) -> None:
+    case = data.draw(hsdp_cases(world.world_size, api="fully_shard"), label="case")
+    _check_collectives(world, case)
+
+
+def _expected_units(case: HSDPCase, rank: int) -> list[tuple[str, tuple[int, ...], object]]:
+    """(strategy, shard group ranks, replicate group ranks) of every FSDP1 unit, outermost
+    first: under ``hybrid`` the root and every Linear, under ``mixed`` a FULL_SHARD root
+    over the world (no replicate group) and the Linears after the first. A one-rank
+    group runs as NO_SHARD (FSDP1 documents it as equivalent)."""
+    shard, replicate, world = mesh_groups(case.mesh_shape, rank)
+    linears = len(case.training.dims) - 1
+    hybrid = (case.strategy if len(shard) > 1 else "NO_SHARD", shard, replicate)
+    if case.wrapping == "hybrid":
+        return [hybrid] * (linears + 1)
+    root = ("FULL_SHARD" if len(world) > 1 else "NO_SHARD", world, None)
+    return [root] + [hybrid] * (linears - 1)
+
+
+@pytest.mark.spec("hsdp.fsdp1.groups")
+@PROPERTY
+@given(data=st.data())
+def test_fsdp1_units_share_the_mesh_groups(world: World, data: st.DataObject) -> None:
+    case = data.draw(
+        hsdp_cases(world.world_size, api="fsdp1", meshes="replicated_shards"), label="case"
+    )
+    for rank, units in enumerate(world.run(hsdp.fsdp1_groups_on_rank, case)):
+        got = [(strategy, shard, replicate) for strategy, shard, replicate, _, _ in units]
+        assert_equal_values(
+            got,
+            _expected_units(case, rank),
+            what=f"(strategy, shard group, replicate group) of each FSDP unit on rank {rank}",
+            call=case.call(),
+        )
+        hybrid = [u for u in units if u[2] is not None]
+        objects = {(shard_id, replicate_id) for *_, shard_id, replicate_id in hybrid}
+        assert_equal_values(
+            len(objects),
+            min(1, len(hybrid)),
+            what=f"distinct (shard, replicate) group objects of the hybrid units on rank {rank}",
+            call=case.call(),
+        )
+
+
+SYNC_NEEDS_CUDA = (
+    "FSDP1 refuses sync_module_states for CPU parameters (ValueError 'The module has CPU "
+    "parameters or buffers when `sync_module_states=True`, which requires them to be on GPU')"
+)
+
+
+def _check_sync(world: World, case: SyncCase) -> None:
+    expected = hsdp.initial_params(case)
+    for rank, params in enumerate(world.run(hsdp.sync_module_states_on_rank, case)):
+        assert_equal_values(
+            sorted(params), sorted(expected), what=f"parameter names on rank {rank}"
+        )
+        for name, value in expected.items():
+            # A broadcast copies values: rank 0's, bit for bit.
+            assert_array_equal(
+                params[name], value, what=f"{name} on rank {rank} after wrapping", call=case.call()
+            )
+
+
+@pytest.mark.spec("hsdp.fsdp1.sync_module_states")
+@PROPERTY
+@given(data=st.data())
+def test_fsdp1_sync_module_states_gives_rank_zeros_weights(
+    world: World, data: st.DataObject
+) -> None:
+    if world.device != "cuda":
+        pytest.skip(SYNC_NEEDS_CUDA)
+    _check_sync(world, data.draw(sync_cases(world.world_size), label="case"))
+
+
+MANUAL_WRAP = (
+    "Manual wrapping with ShardingStrategy.{} "
+    "requires explicit specification of process group or device_mesh."
+)
+PAIR_EXPECTED = (
+    "Expected process_group to be passed in as either None or "
+    "Tuple[dist.ProcessGroup, dist.ProcessGroup] but got {}"
+)
+TWO_DIMS_EXPECTED = "Expected device_mesh to have ndim=2 but got 1"
+
+
+def _expected_error(case: GroupErrorCase, given_type: str) -> tuple[str, str]:
+    if case.given is None:
+        return "ValueError", MANUAL_WRAP.format(case.strategy)
+    if case.given == "1-D mesh":
+        return "ValueError", TWO_DIMS_EXPECTED
+    return "ValueError", PAIR_EXPECTED.format(given_type)
+
+
+def _check_error(world: World, case: GroupErrorCase) -> None:
+    for rank, (error, message, given_type) in enumerate(world.run(hsdp.group_error_on_rank, case)):
+        assert_equal_values(
+            (error, message),
+            _expected_error(case, given_type),
+            what=f"exception on rank {rank}",
+            call=repr(case),
+        )
+
+
+@pytest.mark.spec("hsdp.fsdp1.manual_wrap_needs_groups")
+@PROPERTY
+@given(data=st.data())
+def test_fsdp1_manual_hybrid_wrap_without_groups_raises(world: World, data: st.DataObject) -> None:
+    _check_error(world, data.draw(group_error_cases(world.world_size, single=False), label="case"))
+
+
+@pytest.mark.spec("hsdp.fsdp1.pair_required")
+@PROPERTY
+@given(data=st.data())
+def test_fsdp1_hybrid_with_one_group_raises(world: World, data: st.DataObject) -> None:
+    _check_error(world, data.draw(group_error_cases(world.world_size, single=True), label="case"))
+
+
+FSDP1_OPTIM_STATE_DICT_ON_THREADS = (
+    "FSDP.optim_state_dict asks the process group for its default device "
+    "(_get_pg_default_device), and the threaded process group registers no device backend: "
+    "RuntimeError 'Default device not found, because no backend has been registered'"
+)
+
+
+def _check_save_load(world: World, case: HSDPCase, steps_after: int) -> None:
+    k = case.training.steps
+    call = f"{case.call()}; save after {k}, load into other weights, {steps_after} more step(s)"
+    for rank, result in enumerate(world.run(save_load_on_rank, case, steps_after)):
+        assert_equal_values(sorted(result.loaded), sorted(result.saved), what="parameter names")
+        for name, saved in result.saved.items():
+            # Loading copies the saved shards: bit for bit.
+            assert_array_equal(
+                result.loaded[name], saved, what=f"{name} after load on rank {rank}", call=call
+            )
+        resumed, uninterrupted = result.resumed, result.uninterrupted
+        # The same computation from the same parameters and optimizer state on the same
+        # batches: bit for bit. A lost moment or step count changes the next update.
+        assert_array_equal(
+            np.array(resumed.losses),
+            np.array(uninterrupted.losses[k:]),
+            what=f"losses after the load on rank {rank} (against uninterrupted training)",
+            call=call,
+        )
+        for name, value in uninterrupted.params.items():
+            assert_array_equal(
+                resumed.params[name],
+                value,
+                what=f"{name} {steps_after} step(s) after the load on rank {rank}",
+                call=call,
+            )
+
+
+@pytest.mark.spec("hsdp.fsdp1.save_load")
+@pytest.mark.runner("processes", reason=FSDP1_OPTIM_STATE_DICT_ON_THREADS)
+@PROPERTY
+@given(data=st.data())
+def test_fsdp1_hybrid_sharded_save_load_trains_on(world: World, data: st.DataObject) -> None:
+    case, steps_after = data.draw(save_load_cases(world.world_size, api="fsdp1"), label="case")
+    _check_save_load(world, case, steps_after)
+
+
+@pytest.mark.spec("hsdp.fully_shard.save_load")
+@PROPERTY
+@given(data=st.data())
+def test_fully_shard_hybrid_save_load_trains_on(world: World, data: st.DataObject) -> None:
+    case, steps_after = data.draw(
+        save_load_cases(world.world_size, api="fully_shard"), label="case"
+    )
+    _check_save_load(world, case, steps_after)
+
+
+@pytest.mark.spec("hsdp.fsdp1.save_load_mixed_mesh")
+@pytest.mark.runner("processes", reason=FSDP1_OPTIM_STATE_DICT_ON_THREADS)
+@PROPERTY
+@given(data=st.data())
+def test_fsdp1_mixed_wrapping_with_a_mesh_save_load(world: World, data: st.DataObject) -> None:
+    strategy = save_load_cases(world.world_size, api="fsdp1", mixed_mesh=True)
+    case, steps_after = data.draw(strategy, label="case")
+    _check_save_load(world, case, steps_after)
