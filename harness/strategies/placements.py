@@ -92,7 +92,8 @@ def op_cases(draw: st.DrawFn, world_size: int) -> OpCase:
     shape = draw(shapes(near=max(mesh)))
     chosen = draw(placements(len(mesh), len(shape)))
     empty = any(0 in box for box, _ in local_boxes(shape, mesh, chosen).values())
-    fitting = [name for name, op in OPS.items() if _fits(op, shape, empty)]
+    sharded = any(isinstance(p, Shard) for p in chosen)
+    fitting = [name for name, op in OPS.items() if _fits(op, shape, empty, sharded)]
     name = draw(sampled(tuple(fitting)))
     dims = [d for d in range(len(shape)) if not (OPS[name].nonempty_dim and shape[d] == 0)]
     dim = draw(sampled(tuple(dims))) if OPS[name].needs_dim else 0
@@ -115,8 +116,8 @@ def extremum_empty_shard_cases(draw: st.DrawFn, world_size: int) -> OpCase:
     return OpCase(source, draw(sampled(("amax_dim", "amin"))), dim, draw(st.booleans()))
 
 
-def _fits(op: Op, shape: tuple[int, ...], empty: bool) -> bool:
-    if op.extremum and empty:
+def _fits(op: Op, shape: tuple[int, ...], empty: bool, sharded: bool) -> bool:
+    if (op.extremum and empty) or (op.unsharded_only and sharded):
         return False
     if len(shape) < op.min_ndim or (op.nonempty and 0 in shape):
         return False
