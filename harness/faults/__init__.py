@@ -13,12 +13,18 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from harness.faults import dtensor, modules, state_dict, training
+from harness.faults import dtensor, modules, parallel, state_dict, training
 from harness.faults._patch import Fault, FaultError, Patch, Undo
 
 ENV_VAR = "DISTCONF_FAULTS"
 
-_ALL = (*dtensor.FAULTS, *modules.FAULTS, *training.FAULTS, *state_dict.FAULTS)
+_ALL = (
+    *dtensor.FAULTS,
+    *modules.FAULTS,
+    *training.FAULTS,
+    *state_dict.FAULTS,
+    *parallel.FAULTS,
+)
 FAULTS: dict[str, Fault] = {fault.id: fault for fault in _ALL}
 
 
