@@ -1,7 +1,8 @@
 """``python -m harness mutate``: the detection score of the suites against the fault catalogue.
 
 One clean run (it must have no unexpected outcome, or the score is void), and one run per
-fault with the fault injected (``--distconf-faults``). With ``--jobs N`` the clean run is
+fault with the fault injected (``--distconf-faults``): the suites of the fault's area on
+their own first, then, if they did not catch it, the others. With ``--jobs N`` the clean run is
 split into one run per suite and N runs go at once, clean suites first: a fault run that
 would start after a clean suite failed is not started. A fault run starts with the suites of
 the fault's area and stops at the first failure: the fault is *caught* by the spec that
@@ -88,10 +89,12 @@ class Mutation:
         path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
-def suite_order(area: str, available: Sequence[str], specs: dict[str, catalogue.Spec]) -> list[str]:
-    """``available`` with the suites that hold specs of ``area`` first."""
+def suite_phases(
+    area: str, available: Sequence[str], specs: dict[str, catalogue.Spec]
+) -> tuple[list[str], list[str]]:
+    """``available`` split in two: the suites that hold specs of ``area``, and the rest."""
     first = list(dict.fromkeys(s.suite for s in specs.values() if s.area == area))
-    return [s for s in first if s in available] + [s for s in available if s not in first]
+    return [s for s in first if s in available], [s for s in available if s not in first]
 
 
 def _run_command(
@@ -142,17 +145,29 @@ def clean_run(config: RunConfig, out: Path, suites: Sequence[str]) -> dict[str, 
 
 
 def fault_run(
-    fault: faults.Fault, config: RunConfig, out: Path, suites: Sequence[str]
+    fault: faults.Fault, config: RunConfig, out: Path, phases: Sequence[Sequence[str]]
 ) -> FaultResult:
-    """Run ``suites`` with ``fault`` injected, stopping at the first failure."""
+    """Run each phase's suites with ``fault`` injected, stopping at the first failure.
+
+    The fault's area suites go first in a run of their own: within one run the plugin takes
+    every suite at a world size before the next size, and most faults only show from world
+    size 2 on, so one run of all suites would pass through every suite at size 1 first."""
     extra = (f"--distconf-faults={fault.id}", "--exitfirst")
-    code, seconds = _launch(_run_command(config, out, suites, extra), out / "log.txt")
     result = _uncaught(fault)
-    result.wall_seconds = round(seconds, 1)
-    tests = _tests(out)
-    if not tests:
-        result.problem = f"the run wrote no test records (exit code {code}); see {out / 'log.txt'}"
-        return result
+    tests: list[dict[str, Any]] = []
+    for number, suites in enumerate((p for p in phases if p), start=1):
+        where = out / f"phase-{number}"
+        code, seconds = _launch(_run_command(config, where, suites, extra), where / "log.txt")
+        result.wall_seconds = round(result.wall_seconds + seconds, 1)
+        found = _tests(where)
+        if not found:
+            result.problem = (
+                f"the run wrote no test records (exit code {code}); see {where / 'log.txt'}"
+            )
+            return result
+        tests += found
+        if any(record.get("status") in CAUGHT for record in found):
+            break
     _note_detection(result, tests)
     return result
 
@@ -200,8 +215,8 @@ def mutate(
                 result = _uncaught(fault)
                 result.problem = "not run: a clean suite run failed before this fault's run"
                 return result
-            suites = suite_order(fault.area, available, specs)
-            return fault_run(fault, config, out / "faults" / fault.id, suites)
+            phases = suite_phases(fault.area, available, specs)
+            return fault_run(fault, config, out / "faults" / fault.id, phases)
 
         for result in pool.map(one, selected):
             mutation.results.append(result)

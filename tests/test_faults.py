@@ -196,11 +196,50 @@ def test_nothing_failing_means_the_fault_survived():
     assert not result.caught and result.seconds_to_detect is None
 
 
-def test_suites_of_the_faults_area_run_first():
+def test_suites_of_the_faults_area_run_first_on_their_own():
     specs = catalogue.load()
     available = sorted({s.suite for s in specs.values()})
-    order = mutate.suite_order("zero", available, specs)
-    assert order[0] == "zero" and sorted(order) == available
+    first, rest = mutate.suite_phases("zero", available, specs)
+    assert first == ["zero"] and sorted(first + rest) == available
+
+
+def _fake_launch(monkeypatch, statuses_by_suite):
+    """_launch writing one results record per suite of the run, with the given status."""
+    launched: list[list[str]] = []
+
+    def launch(command, log):
+        suites = [a.split("=", 1)[1] for a in command if a.startswith("--suite=")]
+        out = Path(next(a.split("=", 1)[1] for a in command if a.startswith("--out=")))
+        launched.append(suites)
+        out.mkdir(parents=True, exist_ok=True)
+        records = [
+            {"kind": "test", "nodeid": f"{s}::t", "status": statuses_by_suite[s], "duration": 1.0}
+            for s in suites
+        ]
+        with (out / "results.jsonl").open("w") as handle:
+            handle.write(json.dumps({"kind": "header", "schema": 1}) + "\n")
+            for record in records:
+                handle.write(json.dumps(record) + "\n")
+        return 1, 2.0
+
+    monkeypatch.setattr(mutate, "_launch", launch)
+    return launched
+
+
+def test_a_fault_caught_by_its_area_suites_never_runs_the_rest(monkeypatch, tmp_path):
+    launched = _fake_launch(monkeypatch, {"zero": "failed", "placements": "passed"})
+    fault = faults.FAULTS["zero.round_robin_partition"]
+    result = mutate.fault_run(fault, CONFIG, tmp_path, (["zero"], ["placements"]))
+    assert launched == [["zero"]]
+    assert result.caught and result.test == "zero::t" and result.wall_seconds == 2.0
+
+
+def test_a_fault_its_area_missed_goes_on_to_the_other_suites(monkeypatch, tmp_path):
+    launched = _fake_launch(monkeypatch, {"zero": "passed", "placements": "failed"})
+    fault = faults.FAULTS["zero.round_robin_partition"]
+    result = mutate.fault_run(fault, CONFIG, tmp_path, (["zero"], ["placements"]))
+    assert launched == [["zero"], ["placements"]]
+    assert result.caught and result.test == "placements::t" and result.wall_seconds == 4.0
 
 
 def _fake_runs(monkeypatch, failing_suites=()):
