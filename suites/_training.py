@@ -190,21 +190,7 @@ def assert_trained_like(
             record_as=f"loss/{case.dtype}",
         )
     for rank, result in enumerate(trained):
-        assert_equal_values(
-            sorted(result.params), sorted(reference.params), what=f"parameter names on rank {rank}"
-        )
-        for name, want in reference.params.items():
-            assert_close(
-                result.params[name],
-                want,
-                rtol=rtol,
-                atol=atol,
-                dtype=case.dtype,
-                what=f"{name} after {case.steps} step(s) on rank {rank}",
-                why=why,
-                call=call,
-                record_as=f"param/{case.dtype}",
-            )
+        _assert_same_params(result, reference, case, rank, "", rtol, atol, why, call)
 
 
 def assert_same_training(
@@ -232,18 +218,34 @@ def assert_same_training(
             call=call,
             record_as=f"loss/{case.dtype}",
         )
-        assert_equal_values(
-            sorted(result.params), sorted(expected.params), what=f"parameter names on rank {rank}"
+        suffix = f" (against {against})"
+        _assert_same_params(result, expected, case, rank, suffix, rtol, atol, why, call)
+
+
+def _assert_same_params(
+    result: Trained,
+    expected: Trained,
+    case: ParityCase,
+    rank: int,
+    suffix: str,
+    rtol: float,
+    atol: float,
+    why: str,
+    call: str,
+) -> None:
+    """The same parameter names as ``expected`` and each final parameter close to it."""
+    assert_equal_values(
+        sorted(result.params), sorted(expected.params), what=f"parameter names on rank {rank}"
+    )
+    for name, value in expected.params.items():
+        assert_close(
+            result.params[name],
+            value,
+            rtol=rtol,
+            atol=atol,
+            dtype=case.dtype,
+            what=f"{name} after {case.steps} step(s) on rank {rank}{suffix}",
+            why=why,
+            call=call,
+            record_as=f"param/{case.dtype}",
         )
-        for name, value in expected.params.items():
-            assert_close(
-                result.params[name],
-                value,
-                rtol=rtol,
-                atol=atol,
-                dtype=case.dtype,
-                what=f"{name} after {case.steps} step(s) on rank {rank} (against {against})",
-                why=why,
-                call=call,
-                record_as=f"param/{case.dtype}",
-            )
