@@ -55,16 +55,39 @@ class DistributeCase:
     shape: tuple[int, ...]
     dtype: str
     seed: int
+    src_data_rank: int | None = 0
+    """``distribute_tensor``'s source: the group rank, on every mesh axis, whose tensor is
+    the global one; None: every rank keeps pieces of its own tensor, no communication."""
 
     def global_array(self) -> np.ndarray:
         # distribute_tensor divides a Partial('sum') value by the axis size: keep it exact.
         factor = partial_sum_factor(self.mesh_shape, self.placements)
         return integer_array(self.shape, self.seed, multiple_of=factor)
 
+    def source_rank(self) -> int | None:
+        """The rank at mesh coordinate ``(src_data_rank,) * mesh ndim``."""
+        if self.src_data_rank is None:
+            return None
+        stride = math.prod(self.mesh_shape)
+        rank = 0
+        for size in self.mesh_shape:
+            stride //= size
+            rank += self.src_data_rank * stride
+        return rank
+
+    def input_of(self, rank: int) -> np.ndarray:
+        """What ``rank`` passes to ``distribute_tensor``: the global array on the source
+        rank, another seeded array on every other rank (the source's must win)."""
+        if rank == self.source_rank():
+            return self.global_array()
+        factor = partial_sum_factor(self.mesh_shape, self.placements)
+        return integer_array(self.shape, self.seed + 1 + rank, multiple_of=factor)
+
     def call(self) -> str:
+        source = "" if self.src_data_rank == 0 else f", src_data_rank={self.src_data_rank}"
         return (
             f"distribute_tensor(shape={self.shape}, dtype={self.dtype}, "
-            f"mesh={self.mesh_shape}, placements={self.placements})"
+            f"mesh={self.mesh_shape}, placements={self.placements}{source})"
         )
 
 

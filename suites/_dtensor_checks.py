@@ -33,8 +33,10 @@ from specs.placements import (
 
 def _distribute(ctx: RankContext, case: DistributeCase) -> DTensor:
     mesh = ctx.mesh(case.mesh_shape)
-    tensor = tensor_from(case.global_array(), case.dtype, ctx.device)
-    return distribute_tensor(tensor, mesh, to_torch_placements(case.placements))
+    tensor = tensor_from(case.input_of(ctx.rank), case.dtype, ctx.device)
+    return distribute_tensor(
+        tensor, mesh, to_torch_placements(case.placements), src_data_rank=case.src_data_rank
+    )
 
 
 def distribute_on_rank(ctx: RankContext, case: DistributeCase) -> DTensorView:

@@ -7,7 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import World
-from harness.parity import assert_close
+from harness.cases import DistributeCase
+from harness.dtensor import DTensorView
+from harness.parity import assert_array_equal, assert_close
 from harness.strategies import (
     distribute_cases,
     extremum_to_shard_cases,
@@ -16,7 +18,7 @@ from harness.strategies import (
     partial_target_cases,
     redistribute_cases,
 )
-from specs.placements import REDUCE_OPS, Partial, Placement, local_arrays
+from specs.placements import REDUCE_OPS, Partial, Placement, coord_of_rank, local_arrays
 from suites._dtensor_checks import (
     assert_layout,
     distribute_on_rank,
@@ -35,9 +37,12 @@ PROPERTY = settings(deadline=None)
 @PROPERTY
 @given(data=st.data())
 def test_distribute_tensor_matches_model(world: World, data: st.DataObject) -> None:
-    case = data.draw(distribute_cases(world.world_size), label="case")
+    case = data.draw(distribute_cases(world.world_size, no_source=True), label="case")
     global_array = case.global_array()
     views = world.run(distribute_on_rank, case)
+    if case.src_data_rank is None:
+        _assert_own_pieces(views, case)
+        return
     assert_layout(
         views,
         mesh_shape=case.mesh_shape,
@@ -47,6 +52,16 @@ def test_distribute_tensor_matches_model(world: World, data: st.DataObject) -> N
         call=case.call(),
         partial_values_known=True,  # distribute_tensor divides a sum evenly, copies the rest
     )
+
+
+def _assert_own_pieces(views: list[DTensorView], case: DistributeCase) -> None:
+    """src_data_rank=None: every rank holds the model's piece of the tensor it passed."""
+    for rank, view in enumerate(views):
+        coord = coord_of_rank(case.mesh_shape, rank)
+        own = local_arrays(case.input_of(rank), case.mesh_shape, case.placements)[coord]
+        assert_array_equal(
+            view.local, own, what=f"to_local() on rank {rank} (of its own tensor)", call=case.call()
+        )
 
 
 @pytest.mark.spec("placements.distribute.partial_sum_keeps_dtype")

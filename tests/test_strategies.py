@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import strategies as hs
-from harness.cases import DTYPES, partial_sum_factor
-from specs.placements import Partial, Shard, validate
+from harness.cases import DTYPES, DistributeCase, partial_sum_factor
+from specs.placements import Partial, Replicate, Shard, coord_of_rank, validate
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4, 6, 8, 12])
@@ -36,6 +36,26 @@ def test_distribute_cases_are_valid(world_size, data):
     assert array.shape == case.shape
     assert (array % partial_sum_factor(case.mesh_shape, case.placements) == 0).all()
     assert (abs(array) <= 64).all()
+
+
+@settings(max_examples=200)
+@given(st.integers(1, 8), st.data())
+def test_distribute_sources_every_axis_has(world_size, data):
+    case = data.draw(hs.distribute_cases(world_size, no_source=True))
+    if case.src_data_rank is None:
+        assert not any(isinstance(p, Partial) for p in case.placements)
+        return
+    assert 0 <= case.src_data_rank < min(case.mesh_shape)
+    source = case.source_rank()
+    assert coord_of_rank(case.mesh_shape, source) == (case.src_data_rank,) * len(case.mesh_shape)
+    assert (case.input_of(source) == case.global_array()).all()
+
+
+def test_distribute_inputs_differ_off_the_source():
+    case = DistributeCase((2, 3), (Replicate(), Replicate()), (4,), "float64", 5, 1)
+    assert case.source_rank() == 4
+    assert (case.input_of(4) == case.global_array()).all()
+    assert all((case.input_of(r) != case.global_array()).any() for r in range(6) if r != 4)
 
 
 @settings(max_examples=200)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -102,6 +103,17 @@ def _plan_cache_without_shape(original: Callable[..., Any]) -> Callable[..., Any
     return gen_transform_infos
 
 
+def _local_source(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    def make_tensor(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["src_data_rank"] = None
+        return original(*bound.args, **bound.kwargs)
+
+    return make_tensor
+
+
 FAULTS = (
     Fault(
         id="dtensor.partial_avg_as_sum",
@@ -109,6 +121,17 @@ FAULTS = (
         bug_class="a reduce op lowered to another (avg run as sum, the division lost)",
         summary="Partial('avg') -> Replicate all-reduces with SUM",
         patches=(Patch(f"{_PLACEMENTS}:Partial._reduce_value", _avg_as_sum),),
+    ),
+    Fault(
+        id="dtensor.distribute_without_source",
+        area="placements",
+        bug_class="a collective skipped: every rank keeps its own copy instead of the source's",
+        summary="distribute_tensor neither scatters nor broadcasts from src_data_rank: each "
+        "rank shards or keeps the tensor it passed",
+        patches=(
+            Patch(f"{_PLACEMENTS}:Shard._make_shard_tensor", _local_source),
+            Patch(f"{_PLACEMENTS}:Replicate._make_replicate_tensor", _local_source),
+        ),
     ),
     Fault(
         id="dtensor.partial_reduced_twice",

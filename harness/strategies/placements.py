@@ -66,8 +66,12 @@ def _ops_for(dtype: str) -> tuple[str, ...]:
 
 @takes_world_size
 @st.composite
-def distribute_cases(draw: st.DrawFn, world_size: int) -> DistributeCase:
-    """A tensor, a mesh over ``world_size`` ranks and placements for ``distribute_tensor``.
+def distribute_cases(
+    draw: st.DrawFn, world_size: int, *, no_source: bool = False
+) -> DistributeCase:
+    """A tensor, a mesh over ``world_size`` ranks, placements and a ``src_data_rank`` (a
+    group rank every axis has; ``no_source=True`` also draws None where no axis is Partial)
+    for ``distribute_tensor``.
 
     int64 never meets ``Partial('sum')`` here: torch 2.13 turns it into float32
     (spec ``placements.distribute.partial_sum_keeps_dtype`` checks that on its own).
@@ -77,7 +81,10 @@ def distribute_cases(draw: st.DrawFn, world_size: int) -> DistributeCase:
     dtype = draw(dtypes())
     ops = tuple(op for op in _ops_for(dtype) if not (dtype == "int64" and op == "sum"))
     chosen = draw(placements(len(mesh), len(shape), reduce_ops=ops))
-    return DistributeCase(mesh, chosen, shape, dtype, draw(seeds()))
+    sources: tuple[int | None, ...] = tuple(range(min(mesh)))
+    if no_source and not any(isinstance(p, Partial) for p in chosen):
+        sources += (None,)
+    return DistributeCase(mesh, chosen, shape, dtype, draw(seeds()), draw(sampled(sources)))
 
 
 @takes_world_size
