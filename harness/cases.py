@@ -205,10 +205,20 @@ class ParityCase:
     mixed_precision: bool
     """FSDP's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``."""
     seed: int
+    micro_batches: int = 1
+    """Each data-parallel rank's rows of a step split into this many equal micro-batches,
+    gradients accumulated without a gradient sync until the last one."""
+    clip_norm: float | None = None
+    """``clip_grad_norm_`` of all parameters to this total norm before each step."""
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout={self.layout!r} must be one of {LAYOUTS}")
+        if self.micro_batches < 1 or self.batch_per_rank % self.micro_batches:
+            raise ValueError(
+                f"micro_batches={self.micro_batches!r} must be >= 1 and divide "
+                f"batch_per_rank={self.batch_per_rank!r}"
+            )
 
     @property
     def data_parallel(self) -> int:
@@ -218,10 +228,12 @@ class ParityCase:
 
     def call(self) -> str:
         precision = ", bf16 params/fp32 reduce" if self.mixed_precision else ""
+        micro = f" in {self.micro_batches} micro-batches" if self.micro_batches > 1 else ""
+        clip = f", clip_grad_norm_({self.clip_norm})" if self.clip_norm is not None else ""
         return (
             f"{self.layout}(mesh={self.mesh_shape}) MLP{self.dims} bias={self.bias} "
-            f"{self.dtype}{precision}, {self.steps} step(s) of {self.optim.describe()}, "
-            f"batch {self.batch_per_rank}/data-parallel rank"
+            f"{self.dtype}{precision}, {self.steps} step(s) of {self.optim.describe()}{clip}, "
+            f"batch {self.batch_per_rank}/data-parallel rank{micro}"
         )
 
 
@@ -245,6 +257,45 @@ class ParamsCase:
             f"{self.optim.describe()} on params {list(self.shapes)}, {self.steps} step(s), "
             f"state to rank {self.recipient}, reload with lr={self.lr_after_load}, "
             f"{self.steps_after} more step(s)"
+        )
+
+
+@dataclass(frozen=True)
+class StepCase:
+    """Parameters of ``shapes`` laid out by ``placements`` (one tuple per parameter, one
+    placement per mesh axis; plain tensors on every rank when None) stepped ``steps`` times
+    by ``optim`` with seeded gradients that are the same on every rank."""
+
+    mesh_shape: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    placements: tuple[tuple[Placement, ...], ...] | None
+    dtype: str
+    optim: OptimConfig
+    steps: int
+    seed: int
+
+    def params(self) -> list[np.ndarray]:
+        """The initial parameters, rounded to ``dtype`` and held in float64."""
+        rng = np.random.default_rng([self.seed, 0])
+        return [self._rounded(rng.uniform(-1.0, 1.0, size=shape)) for shape in self.shapes]
+
+    def grads(self, step: int) -> list[np.ndarray]:
+        """The gradients of ``step``, rounded to ``dtype`` and held in float64."""
+        rng = np.random.default_rng([self.seed, step + 1])
+        return [self._rounded(rng.uniform(-1.0, 1.0, size=shape)) for shape in self.shapes]
+
+    def _rounded(self, array: np.ndarray) -> np.ndarray:
+        return np.asarray(array, dtype=self.dtype).astype(np.float64)
+
+    def call(self) -> str:
+        layout = (
+            "plain tensors"
+            if self.placements is None
+            else f"DTensors on mesh {self.mesh_shape} with placements {list(self.placements)}"
+        )
+        return (
+            f"{self.steps} step(s) of {self.optim.describe()} on {self.dtype} params "
+            f"{list(self.shapes)} as {layout}"
         )
 
 

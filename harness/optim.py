@@ -107,6 +107,8 @@ def reference_run(case: ParityCase) -> Trained:
             loss = loss_of(model(x), y)
             loss.backward()  # type: ignore[no-untyped-call]
             losses.append(loss.item())
+        if case.clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip_norm)
         optimizer.step()
         if scheduler is not None:
             scheduler.step()

@@ -6,13 +6,14 @@ as ``harness.optim.reference_run``; each data-parallel rank takes its rows of th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (
@@ -83,17 +84,41 @@ def train_step(
     step: int,
     device: torch.device,
 ) -> float:
-    """One optimizer step on this data-parallel rank's rows of batch ``step``; its loss."""
+    """One optimizer step on this data-parallel rank's rows of batch ``step``, in
+    ``case.micro_batches`` parts (the gradient sync only on the last), clipped to
+    ``case.clip_norm`` when set; its loss (the mean over its rows)."""
     inputs, targets = step_batch(case, step)
     rows = rows_of(case, dp_rank)
     optimizer.zero_grad()
-    loss = loss_of(
-        wrapped(tensor_from(inputs[rows], case.dtype, device)),
-        tensor_from(targets[rows], case.dtype, device),
-    )
-    loss.backward()
+    total = 0.0
+    parts = np.array_split(np.arange(rows.start, rows.stop), case.micro_batches)
+    for number, part in enumerate(parts):
+        with _gradient_sync(wrapped, number == len(parts) - 1):
+            # equal parts: the mean of the parts' means is the mean over the rows
+            loss = loss_of(
+                wrapped(tensor_from(inputs[part], case.dtype, device)),
+                tensor_from(targets[part], case.dtype, device),
+            ) / len(parts)
+            loss.backward()
+        total += loss.item()
+    if case.clip_norm is not None:
+        torch.nn.utils.clip_grad_norm_(wrapped.parameters(), case.clip_norm)
     optimizer.step()
-    return loss.item()
+    return total
+
+
+@contextlib.contextmanager
+def _gradient_sync(wrapped: nn.Module, enabled: bool) -> Iterator[None]:
+    """Within it, fully_shard and DDP modules sync gradients across data-parallel ranks only
+    if ``enabled`` (anything else syncs every time, which sums the same gradients)."""
+    if isinstance(wrapped, FSDPModule):
+        wrapped.set_requires_gradient_sync(enabled)
+        yield
+    elif isinstance(wrapped, DistributedDataParallel) and not enabled:
+        with wrapped.no_sync():
+            yield
+    else:
+        yield
 
 
 def _full(param: torch.Tensor) -> Any:
@@ -109,12 +134,21 @@ def parallelize(
     ``fsdp_options`` go to every ``fully_shard`` call (``reshard_after_forward``,
     ``offload_policy``, ``shard_placement_fn``)."""
     if case.layout in ("ddp", "zero"):
+        _start_apart(model, ctx.rank)
         return DistributedDataParallel(model), ctx.rank
     if case.layout in TP_LAYOUTS:
         return model, _tensor_parallel(model, case, ctx, fsdp_options)
     names = ("replicate", "shard") if case.layout == "hsdp" else None
     _fully_shard(model, case, ctx.mesh(case.mesh_shape, names), fsdp_options)
     return model, ctx.rank
+
+
+def _start_apart(model: nn.Module, rank: int) -> None:
+    """Shift every parameter of ranks other than 0: DDP's constructor must broadcast rank
+    0's parameters, so training still starts from the one-device model."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(rank)
 
 
 def _tensor_parallel(

@@ -13,7 +13,13 @@ from hypothesis import strategies as st
 from harness.cases import LAYOUTS, TP_LAYOUTS, OptimConfig, ParityCase
 from harness.models import build_mlp
 from harness.optim import build_optimizer, param_groups, reference_run
-from harness.strategies.training import optim_configs, params_cases, parity_cases, partition_cases
+from harness.strategies.training import (
+    optim_configs,
+    params_cases,
+    parity_cases,
+    partition_cases,
+    step_cases,
+)
 from specs.zero import partition, rank_totals
 
 
@@ -87,6 +93,47 @@ def test_parity_cases_fit_their_layout(world_size, layout, data):
         assert case.data_parallel == world_size // tp
     else:
         assert case.data_parallel == world_size
+
+
+@settings(max_examples=100)
+@given(world_size=st.integers(1, 6), layout=st.sampled_from(("fsdp", "ddp")), data=st.data())
+def test_accumulated_parity_cases_split_rows_evenly(world_size, layout, data):
+    case = data.draw(parity_cases(world_size, layout=layout, accumulate_and_clip=True))
+    assert case.micro_batches in (1, 2) and case.batch_per_rank % case.micro_batches == 0
+    assert case.clip_norm in (None, 1.0, 0.05)
+
+
+def test_parity_case_rejects_uneven_micro_batches_and_mixed_precision_accumulation():
+    with pytest.raises(
+        ValueError, match="micro_batches=2 must be >= 1 and divide batch_per_rank=3"
+    ):
+        ParityCase(
+            "fsdp",
+            (2,),
+            (3, 2),
+            True,
+            3,
+            "float64",
+            OptimConfig("SGD", "default", 0.1),
+            1,
+            False,
+            7,
+            micro_batches=2,
+        )
+    with pytest.raises(ValueError, match="mixed_precision=True and accumulate_and_clip=True"):
+        parity_cases(2, layout="fsdp", mixed_precision=True, accumulate_and_clip=True)
+
+
+@settings(max_examples=100)
+@given(world_size=st.integers(1, 6), data=st.data())
+def test_step_cases_lay_out_every_parameter(world_size, data):
+    unsupported = frozenset({("SGD", "fused")})
+    case = data.draw(step_cases(world_size, dtensor_unsupported=unsupported))
+    assert math.prod(case.mesh_shape) == world_size and 1 <= len(case.shapes) <= 4
+    if case.placements is not None:
+        assert (case.optim.name, case.optim.impl) not in unsupported
+        assert [len(p) for p in case.placements] == [len(case.mesh_shape)] * len(case.shapes)
+    assert [g.shape for g in case.grads(0)] == [p.shape for p in case.params()] == list(case.shapes)
 
 
 def test_parity_case_validates_layout():

@@ -115,6 +115,38 @@ def _round_robin_partition(original: Callable[..., Any]) -> Callable[..., Any]:
     return partition_parameters
 
 
+def _local_total_norm(original: Callable[..., Any]) -> Callable[..., Any]:
+    def total_norm(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        from torch import Tensor
+        from torch.distributed.tensor import DTensor
+
+        listed = [tensors] if isinstance(tensors, Tensor) else list(tensors)
+        local = [t.to_local() if isinstance(t, DTensor) else t for t in listed]
+        return original(local, *args, **kwargs)
+
+    return total_norm
+
+
+def _unsynced_grads_dropped(original: Callable[..., Any]) -> Callable[..., Any]:
+    def post_backward(self: Any, *args: Any) -> Any:
+        result = original(self, *args)
+        if not self.reduce_grads:
+            for fsdp_param in self.fsdp_params:
+                fsdp_param.unsharded_accumulated_grad = None
+                if hasattr(fsdp_param, "_unsharded_param"):
+                    fsdp_param.unsharded_param.grad = None
+        return result
+
+    return post_backward
+
+
+def _no_broadcast(original: Callable[..., Any]) -> Callable[..., Any]:
+    def sync_module_states(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    return sync_module_states
+
+
 FAULTS = (
     Fault(
         id="fsdp.gradients_summed",
@@ -137,6 +169,30 @@ FAULTS = (
         bug_class="a collective skipped on one mesh axis",
         summary="HSDP never all-reduces gradients over the replicate axis",
         patches=(Patch(f"{_PARAM_GROUP}:foreach_reduce", _replicate_all_reduce_skipped),),
+    ),
+    Fault(
+        id="fsdp.unsynced_grads_dropped",
+        area="optim",
+        bug_class="gradient accumulation without sync loses the earlier micro-batches",
+        summary="FSDP2's post-backward with requires_gradient_sync=False discards the "
+        "unsharded gradients instead of keeping them for the next backward",
+        patches=(Patch(f"{_PARAM_GROUP}:FSDPParamGroup.post_backward", _unsynced_grads_dropped),),
+    ),
+    Fault(
+        id="optim.clip_norm_of_local_shards",
+        area="optim",
+        bug_class="a global reduction computed from the local shards only",
+        summary="clip_grad_norm_ takes the total norm of each rank's local gradient shards "
+        "instead of the whole (DTensor) gradients",
+        patches=(Patch("torch.nn.utils.clip_grad:_get_total_norm", _local_total_norm),),
+    ),
+    Fault(
+        id="ddp.init_broadcast_skipped",
+        area="optim",
+        bug_class="a collective skipped: replicas never synchronised at construction",
+        summary="DistributedDataParallel's constructor skips broadcasting rank 0's "
+        "parameters and buffers",
+        patches=(Patch("torch.nn.parallel.distributed:_sync_module_states", _no_broadcast),),
     ),
     Fault(
         id="optim.foreach_drops_weight_decay",

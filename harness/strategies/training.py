@@ -20,14 +20,18 @@ from harness.cases import (
     ParamsCase,
     ParityCase,
     PartitionCase,
+    StepCase,
 )
 from harness.strategies._common import (
     check_subset,
     factorisations,
+    mesh_shapes,
     sampled,
     seeds,
+    shapes,
     takes_world_size,
 )
+from harness.strategies.placements import placements
 
 
 @takes_world_size
@@ -125,6 +129,7 @@ def parity_cases(
     layout: str,
     unsupported: frozenset[tuple[str, str]] = frozenset(),
     mixed_precision: bool = False,
+    accumulate_and_clip: bool = False,
 ) -> st.SearchStrategy[ParityCase]:
     """A training run to compare under ``layout`` with one device.
 
@@ -132,12 +137,22 @@ def parity_cases(
     world size's 2-D factorisations (size-1 axes included); fsdp_tp draws (dp, tp) and
     hsdp_tp (replicate, shard, tp), tp > 1 where the world size allows, and a hidden size
     the TP degree divides (torch 2.13 fails otherwise: spec tp.mlp.uneven_hidden checks
-    that separately).
+    that separately). ``accumulate_and_clip`` also draws 1 or 2 micro-batches per step
+    (gradients accumulated without sync until the last) and a ``clip_grad_norm_`` bound.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}")
+    if mixed_precision and accumulate_and_clip:
+        raise ValueError(
+            "mixed_precision=True and accumulate_and_clip=True: the one-device emulation of "
+            "mixed precision averages each step's gradients once, unclipped"
+        )
     return _parity_cases(
-        world_size, layout=layout, unsupported=unsupported, mixed_precision=mixed_precision
+        world_size,
+        layout=layout,
+        unsupported=unsupported,
+        mixed_precision=mixed_precision,
+        accumulate_and_clip=accumulate_and_clip,
     )
 
 
@@ -150,6 +165,7 @@ def _parity_cases(
     layout: str,
     unsupported: frozenset[tuple[str, str]],
     mixed_precision: bool,
+    accumulate_and_clip: bool,
 ) -> ParityCase:
     mesh = _layout_mesh(draw, world_size, layout)
     tp = mesh[-1] if layout in TP_LAYOUTS else 1
@@ -158,17 +174,21 @@ def _parity_cases(
     if layout in TP_LAYOUTS:
         dims[1] = tp * draw(st.integers(1, 3))
     dtype = "float32" if mixed_precision else draw(sampled(("float64", "float32")))
+    micro_batches = draw(sampled((1, 2))) if accumulate_and_clip else 1
+    clip_norm = draw(sampled((None, 1.0, 0.05))) if accumulate_and_clip else None
     return ParityCase(
         layout=layout,
         mesh_shape=mesh,
         dims=tuple(dims),
         bias=draw(st.booleans()),
-        batch_per_rank=draw(st.integers(1, 3)),
+        batch_per_rank=micro_batches * draw(st.integers(1, 3)),
         dtype=dtype,
         optim=draw(optim_configs(unsupported=unsupported)),
         steps=draw(st.integers(1, 5)),
         mixed_precision=mixed_precision,
         seed=draw(seeds()),
+        micro_batches=micro_batches,
+        clip_norm=clip_norm,
     )
 
 
@@ -180,6 +200,35 @@ def _layout_mesh(draw: st.DrawFn, world_size: int, layout: str) -> tuple[int, ..
             shapes = [s for s in shapes if s[-1] > 1] or shapes
         return draw(sampled(tuple(shapes)))
     return (world_size,)
+
+
+@takes_world_size
+@st.composite
+def step_cases(
+    draw: st.DrawFn,
+    world_size: int,
+    *,
+    dtensor_unsupported: frozenset[tuple[str, str]] = frozenset(),
+) -> StepCase:
+    """1-4 float32/float64 parameters of shapes near the mesh's axis sizes, as plain tensors
+    or as DTensors laid out by Shard/Replicate placements (uneven and empty shards), and any
+    optimizer configuration (for DTensors none of the ``dtensor_unsupported`` pairs)."""
+    mesh = draw(mesh_shapes(world_size))
+    count = draw(st.integers(1, 4))
+    drawn = tuple(draw(shapes(max_ndim=2, near=max(mesh))) for _ in range(count))
+    laid_out = None
+    if draw(st.booleans()):
+        laid_out = tuple(draw(placements(len(mesh), len(s), reduce_ops=())) for s in drawn)
+    unsupported = dtensor_unsupported if laid_out is not None else frozenset()
+    return StepCase(
+        mesh_shape=mesh,
+        shapes=drawn,
+        placements=laid_out,
+        dtype=draw(sampled(("float64", "float32"))),
+        optim=draw(optim_configs(unsupported=unsupported, groups=False)),
+        steps=draw(st.integers(1, 4)),
+        seed=draw(seeds()),
+    )
 
 
 @takes_world_size

@@ -1,0 +1,116 @@
+"""Reference model of one ``torch.optim`` step of SGD, Adam and AdamW, on numpy arrays.
+
+The update rules are the algorithms of the torch.optim documentation (the pseudo-code of
+``SGD``, ``Adam`` and ``AdamW``), written once, element-wise and without any of torch's
+implementation choices (single-tensor, foreach or fused kernels, ``lerp`` or multiply-add):
+
+- SGD: ``g = ±grad + wd*p``; with momentum the buffer starts as ``g`` and then becomes
+  ``momentum*buf + (1-dampening)*g``; Nesterov steps along ``g + momentum*buf``, plain
+  momentum along ``buf``; ``p -= lr*step``. ``maximize`` negates the gradient first.
+- Adam: ``t += 1``; ``g = ±grad + wd*p`` (AdamW instead multiplies ``p`` by ``1 - lr*wd``);
+  ``m = b1*m + (1-b1)*g``; ``v = b2*v + (1-b2)*g²``; AMSGrad keeps the running maximum of
+  ``v``; ``p -= lr/(1-b1^t) * m / (sqrt(v̂)/sqrt(1-b2^t) + eps)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+OPTIMIZERS = ("SGD", "Adam", "AdamW")
+
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "SGD": {"momentum": 0.0, "dampening": 0.0, "nesterov": False, "weight_decay": 0.0},
+    "Adam": {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False},
+    "AdamW": {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False},
+}
+_COMMON = {"lr", "maximize"}
+
+
+@dataclass
+class OptimizerModel:
+    """An optimizer over a list of parameters: ``step`` updates them in place, in float64."""
+
+    name: str
+    lr: float
+    options: Mapping[str, Any] = field(default_factory=dict)
+    state: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"name={self.name!r} must be one of {OPTIMIZERS}")
+        unknown = set(self.options) - set(_DEFAULTS[self.name]) - _COMMON
+        if unknown:
+            raise ValueError(
+                f"options={dict(self.options)!r} has {sorted(unknown)!r}, which {self.name} "
+                f"does not take (it takes {sorted(set(_DEFAULTS[self.name]) | _COMMON)})"
+            )
+        self.options = {**_DEFAULTS[self.name], "maximize": False, **self.options}
+
+    def step(self, params: Sequence[np.ndarray], grads: Sequence[np.ndarray]) -> None:
+        if len(params) != len(grads):
+            raise ValueError(f"{len(params)} params but {len(grads)} grads: one grad per param")
+        while len(self.state) < len(params):
+            self.state.append({})
+        rule = _sgd if self.name == "SGD" else _adam
+        for param, grad, state in zip(params, grads, self.state, strict=False):
+            if param.shape != grad.shape:
+                raise ValueError(f"grad shape {grad.shape} should be param shape {param.shape}")
+            param[...] = rule(param, grad, state, self.name, self.lr, self.options)
+
+
+def _signed(grad: np.ndarray, options: Mapping[str, Any]) -> np.ndarray:
+    return -grad if options["maximize"] else grad
+
+
+def _sgd(
+    param: np.ndarray,
+    grad: np.ndarray,
+    state: dict[str, Any],
+    name: str,
+    lr: float,
+    options: Mapping[str, Any],
+) -> np.ndarray:
+    g = _signed(grad, options) + options["weight_decay"] * param
+    momentum = options["momentum"]
+    if momentum != 0:
+        if "buf" not in state:
+            state["buf"] = g.copy()
+        else:
+            state["buf"] = momentum * state["buf"] + (1 - options["dampening"]) * g
+        g = g + momentum * state["buf"] if options["nesterov"] else state["buf"]
+    stepped: np.ndarray = param - lr * g
+    return stepped
+
+
+def _adam(
+    param: np.ndarray,
+    grad: np.ndarray,
+    state: dict[str, Any],
+    name: str,
+    lr: float,
+    options: Mapping[str, Any],
+) -> np.ndarray:
+    beta1, beta2 = options["betas"]
+    weight_decay = options["weight_decay"]
+    if not state:
+        state.update(t=0, m=np.zeros_like(param), v=np.zeros_like(param))
+        state["v_max"] = np.zeros_like(param)
+    state["t"] += 1
+    g = _signed(grad, options)
+    if name == "AdamW":
+        param = param * (1 - lr * weight_decay)
+    else:
+        g = g + weight_decay * param
+    state["m"] = beta1 * state["m"] + (1 - beta1) * g
+    state["v"] = beta2 * state["v"] + (1 - beta2) * g * g
+    second = state["v"]
+    if options["amsgrad"]:
+        state["v_max"] = second = np.maximum(state["v_max"], state["v"])
+    t = state["t"]
+    denom = np.sqrt(second) / np.sqrt(1 - beta2**t) + options["eps"]
+    stepped: np.ndarray = param - lr / (1 - beta1**t) * state["m"] / denom
+    return stepped
