@@ -210,6 +210,8 @@ class ParityCase:
     gradients accumulated without a gradient sync until the last one."""
     clip_norm: float | None = None
     """``clip_grad_norm_`` of all parameters to this total norm before each step."""
+    wrapper_options: tuple[tuple[str, Any], ...] = ()
+    """Keyword arguments of the DDP constructor (ddp, zero) or of every ``fully_shard``."""
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -230,8 +232,10 @@ class ParityCase:
         precision = ", bf16 params/fp32 reduce" if self.mixed_precision else ""
         micro = f" in {self.micro_batches} micro-batches" if self.micro_batches > 1 else ""
         clip = f", clip_grad_norm_({self.clip_norm})" if self.clip_norm is not None else ""
+        options = ", ".join(f"{k}={v}" for k, v in self.wrapper_options)
         return (
-            f"{self.layout}(mesh={self.mesh_shape}) MLP{self.dims} bias={self.bias} "
+            f"{self.layout}({options}{', ' if options else ''}mesh={self.mesh_shape}) "
+            f"MLP{self.dims} bias={self.bias} "
             f"{self.dtype}{precision}, {self.steps} step(s) of {self.optim.describe()}{clip}, "
             f"batch {self.batch_per_rank}/data-parallel rank{micro}"
         )

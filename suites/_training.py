@@ -135,7 +135,7 @@ def parallelize(
     ``offload_policy``, ``shard_placement_fn``)."""
     if case.layout in ("ddp", "zero"):
         _start_apart(model, ctx.rank)
-        return DistributedDataParallel(model), ctx.rank
+        return DistributedDataParallel(model, **dict(case.wrapper_options)), ctx.rank
     if case.layout in TP_LAYOUTS:
         return model, _tensor_parallel(model, case, ctx, fsdp_options)
     names = ("replicate", "shard") if case.layout == "hsdp" else None
@@ -176,6 +176,7 @@ def _fully_shard(
         if case.mixed_precision
         else MixedPrecisionPolicy()
     )
+    options = {**dict(case.wrapper_options), **options}
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh, mp_policy=policy, **options)

@@ -50,7 +50,7 @@ def test_fully_shard_training_matches_one_device(world: World, data: st.DataObje
             world.world_size,
             layout="fsdp",
             unsupported=DTENSOR_UNSUPPORTED,
-            accumulate_and_clip=True,
+            variants=True,
         ),
         label="case",
     )
@@ -99,7 +99,7 @@ def test_hsdp_training_matches_one_device(world: World, data: st.DataObject) -> 
             world.world_size,
             layout="hsdp",
             unsupported=DTENSOR_UNSUPPORTED,
-            accumulate_and_clip=True,
+            variants=True,
         ),
         label="case",
     )
@@ -116,7 +116,7 @@ def test_fsdp_tp_training_matches_one_device(world: World, data: st.DataObject) 
             world.world_size,
             layout="fsdp_tp",
             unsupported=DTENSOR_UNSUPPORTED,
-            accumulate_and_clip=True,
+            variants=True,
         ),
         label="case",
     )
@@ -127,9 +127,7 @@ def test_fsdp_tp_training_matches_one_device(world: World, data: st.DataObject) 
 @PROPERTY
 @given(data=st.data())
 def test_ddp_training_matches_one_device(world: World, data: st.DataObject) -> None:
-    case = data.draw(
-        parity_cases(world.world_size, layout="ddp", accumulate_and_clip=True), label="case"
-    )
+    case = data.draw(parity_cases(world.world_size, layout="ddp", variants=True), label="case")
     _check(world, case)
 
 
@@ -137,9 +135,7 @@ def test_ddp_training_matches_one_device(world: World, data: st.DataObject) -> N
 @PROPERTY
 @given(data=st.data())
 def test_zero_training_matches_one_device(world: World, data: st.DataObject) -> None:
-    case = data.draw(
-        parity_cases(world.world_size, layout="zero", accumulate_and_clip=True), label="case"
-    )
+    case = data.draw(parity_cases(world.world_size, layout="zero", variants=True), label="case")
     _check(world, case)
 
 

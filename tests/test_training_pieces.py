@@ -98,7 +98,7 @@ def test_parity_cases_fit_their_layout(world_size, layout, data):
 @settings(max_examples=100)
 @given(world_size=st.integers(1, 6), layout=st.sampled_from(("fsdp", "ddp")), data=st.data())
 def test_accumulated_parity_cases_split_rows_evenly(world_size, layout, data):
-    case = data.draw(parity_cases(world_size, layout=layout, accumulate_and_clip=True))
+    case = data.draw(parity_cases(world_size, layout=layout, variants=True))
     assert case.micro_batches in (1, 2) and case.batch_per_rank % case.micro_batches == 0
     assert case.clip_norm in (None, 1.0, 0.05)
 
@@ -120,8 +120,8 @@ def test_parity_case_rejects_uneven_micro_batches_and_mixed_precision_accumulati
             7,
             micro_batches=2,
         )
-    with pytest.raises(ValueError, match="mixed_precision=True and accumulate_and_clip=True"):
-        parity_cases(2, layout="fsdp", mixed_precision=True, accumulate_and_clip=True)
+    with pytest.raises(ValueError, match="mixed_precision=True and variants=True"):
+        parity_cases(2, layout="fsdp", mixed_precision=True, variants=True)
 
 
 @settings(max_examples=100)

@@ -129,7 +129,7 @@ def parity_cases(
     layout: str,
     unsupported: frozenset[tuple[str, str]] = frozenset(),
     mixed_precision: bool = False,
-    accumulate_and_clip: bool = False,
+    variants: bool = False,
 ) -> st.SearchStrategy[ParityCase]:
     """A training run to compare under ``layout`` with one device.
 
@@ -137,14 +137,15 @@ def parity_cases(
     world size's 2-D factorisations (size-1 axes included); fsdp_tp draws (dp, tp) and
     hsdp_tp (replicate, shard, tp), tp > 1 where the world size allows, and a hidden size
     the TP degree divides (torch 2.13 fails otherwise: spec tp.mlp.uneven_hidden checks
-    that separately). ``accumulate_and_clip`` also draws 1 or 2 micro-batches per step
-    (gradients accumulated without sync until the last) and a ``clip_grad_norm_`` bound.
+    that separately). ``variants=True`` also draws 1 or 2 micro-batches per step
+    (gradients accumulated without sync until the last), a ``clip_grad_norm_`` bound and
+    wrapper options (DDP bucketing; ``fully_shard``'s ``reshard_after_forward``).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}")
-    if mixed_precision and accumulate_and_clip:
+    if mixed_precision and variants:
         raise ValueError(
-            "mixed_precision=True and accumulate_and_clip=True: the one-device emulation of "
+            "mixed_precision=True and variants=True: the one-device emulation of "
             "mixed precision averages each step's gradients once, unclipped"
         )
     return _parity_cases(
@@ -152,7 +153,7 @@ def parity_cases(
         layout=layout,
         unsupported=unsupported,
         mixed_precision=mixed_precision,
-        accumulate_and_clip=accumulate_and_clip,
+        variants=variants,
     )
 
 
@@ -165,7 +166,7 @@ def _parity_cases(
     layout: str,
     unsupported: frozenset[tuple[str, str]],
     mixed_precision: bool,
-    accumulate_and_clip: bool,
+    variants: bool,
 ) -> ParityCase:
     mesh = _layout_mesh(draw, world_size, layout)
     tp = mesh[-1] if layout in TP_LAYOUTS else 1
@@ -174,8 +175,9 @@ def _parity_cases(
     if layout in TP_LAYOUTS:
         dims[1] = tp * draw(st.integers(1, 3))
     dtype = "float32" if mixed_precision else draw(sampled(("float64", "float32")))
-    micro_batches = draw(sampled((1, 2))) if accumulate_and_clip else 1
-    clip_norm = draw(sampled((None, 1.0, 0.05))) if accumulate_and_clip else None
+    micro_batches = draw(sampled((1, 2))) if variants else 1
+    clip_norm = draw(sampled((None, 1.0, 0.05))) if variants else None
+    wrapper_options = _wrapper_options(draw, layout) if variants else ()
     return ParityCase(
         layout=layout,
         mesh_shape=mesh,
@@ -189,7 +191,18 @@ def _parity_cases(
         seed=draw(seeds()),
         micro_batches=micro_batches,
         clip_norm=clip_norm,
+        wrapper_options=wrapper_options,
     )
+
+
+def _wrapper_options(draw: st.DrawFn, layout: str) -> tuple[tuple[str, Any], ...]:
+    if layout in ("ddp", "zero"):
+        # 1e-5 MB puts every parameter in a bucket of its own
+        return (
+            ("gradient_as_bucket_view", draw(st.booleans())),
+            ("bucket_cap_mb", draw(sampled((25.0, 1e-5)))),
+        )
+    return (("reshard_after_forward", draw(st.booleans())),)
 
 
 def _layout_mesh(draw: st.DrawFn, world_size: int, layout: str) -> tuple[int, ...]:
