@@ -287,9 +287,20 @@ def _add_mutate(commands: Any) -> None:
     mutate.add_argument("--world-sizes", default="1,2,3,4")
     mutate.add_argument("--profile", choices=PROFILES, default="ci")
     mutate.add_argument("--rank-timeout", type=float, default=60.0)
-    mutate.add_argument("--jobs", type=int, default=1, help="fault runs at once (default: 1)")
+    mutate.add_argument(
+        "--jobs",
+        type=int,
+        default=_usable_cpus(),
+        help=f"suite/fault runs at once (default: the usable CPUs, here {_usable_cpus()})",
+    )
     mutate.add_argument("--out", default=os.path.join("reports", "mutate"))
     mutate.set_defaults(handler=_mutate)
+
+
+def _usable_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 def main(argv: list[str] | None = None) -> int:
