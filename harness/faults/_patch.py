@@ -62,6 +62,23 @@ class Patch:
         return owner, name
 
 
+def forcing_argument(name: str, value: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A ``Patch.wrap`` that calls the original with argument ``name`` set to ``value``,
+    however the caller passed it (positionally, by keyword or not at all)."""
+
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(original)
+
+        def forced(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            bound.arguments[name] = value
+            return original(*bound.args, **bound.kwargs)
+
+        return forced
+
+    return wrap
+
+
 def _gone(target: str, part: str) -> str:
     import torch
 

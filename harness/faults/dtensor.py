@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 from typing import Any
 
-from harness.faults._patch import Fault, Patch
+from harness.faults._patch import Fault, Patch, forcing_argument
 
 _PLACEMENTS = "torch.distributed.tensor.placement_types"
 _REDISTRIBUTE = "torch.distributed.tensor._redistribute"
+_NO_SOURCE = forcing_argument("src_data_rank", None)
 
 
 def _avg_as_sum(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -103,17 +103,6 @@ def _plan_cache_without_shape(original: Callable[..., Any]) -> Callable[..., Any
     return gen_transform_infos
 
 
-def _local_source(original: Callable[..., Any]) -> Callable[..., Any]:
-    signature = inspect.signature(original)
-
-    def make_tensor(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(*args, **kwargs)
-        bound.arguments["src_data_rank"] = None
-        return original(*bound.args, **bound.kwargs)
-
-    return make_tensor
-
-
 FAULTS = (
     Fault(
         id="dtensor.partial_avg_as_sum",
@@ -129,8 +118,8 @@ FAULTS = (
         summary="distribute_tensor neither scatters nor broadcasts from src_data_rank: each "
         "rank shards or keeps the tensor it passed",
         patches=(
-            Patch(f"{_PLACEMENTS}:Shard._make_shard_tensor", _local_source),
-            Patch(f"{_PLACEMENTS}:Replicate._make_replicate_tensor", _local_source),
+            Patch(f"{_PLACEMENTS}:Shard._make_shard_tensor", _NO_SOURCE),
+            Patch(f"{_PLACEMENTS}:Replicate._make_replicate_tensor", _NO_SOURCE),
         ),
     ),
     Fault(

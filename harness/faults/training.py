@@ -3,11 +3,10 @@ sharded parameters, ZeroRedundancyOptimizer's bookkeeping."""
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
-from harness.faults._patch import Fault, Patch
+from harness.faults._patch import Fault, Patch, forcing_argument
 
 _COLLECTIVES = "torch.distributed.fsdp._fully_shard._fsdp_collectives"
 _PARAM_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
@@ -38,17 +37,6 @@ def _replicate_axis_ignored(original: Callable[..., Any]) -> Callable[..., Any]:
         return pre, post, rs_op, ReduceOp.SUM
 
     return divide_factors
-
-
-def _replicate_all_reduce_skipped(original: Callable[..., Any]) -> Callable[..., Any]:
-    signature = inspect.signature(original)
-
-    def foreach_reduce(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(*args, **kwargs)
-        bound.arguments["all_reduce_group"] = None
-        return original(*bound.args, **bound.kwargs)
-
-    return foreach_reduce
 
 
 def _is_dtensor(tensor: Any) -> bool:
@@ -168,7 +156,9 @@ FAULTS = (
         area="optim",
         bug_class="a collective skipped on one mesh axis",
         summary="HSDP never all-reduces gradients over the replicate axis",
-        patches=(Patch(f"{_PARAM_GROUP}:foreach_reduce", _replicate_all_reduce_skipped),),
+        patches=(
+            Patch(f"{_PARAM_GROUP}:foreach_reduce", forcing_argument("all_reduce_group", None)),
+        ),
     ),
     Fault(
         id="fsdp.unsynced_grads_dropped",
