@@ -123,6 +123,23 @@ def test_fsdp_tp_training_matches_one_device(world: World, data: st.DataObject) 
     _check(world, case)
 
 
+@pytest.mark.spec("optim.hsdp_tp.parity")
+@pytest.mark.world_size(min=2)
+@PROPERTY
+@given(data=st.data())
+def test_hsdp_tp_training_matches_one_device(world: World, data: st.DataObject) -> None:
+    case = data.draw(
+        parity_cases(
+            world.world_size,
+            layout="hsdp_tp",
+            unsupported=DTENSOR_UNSUPPORTED,
+            variants=True,
+        ),
+        label="case",
+    )
+    _check(world, case)
+
+
 @pytest.mark.spec("optim.ddp.parity")
 @PROPERTY
 @given(data=st.data())
