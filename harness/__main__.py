@@ -174,6 +174,11 @@ def _list(args: argparse.Namespace) -> int:
 def _mutate(args: argparse.Namespace) -> int:
     from harness import faults, mutate
 
+    try:
+        files = [str(Path(f).resolve()) for f in _split(args.fault_file)]
+        faults.load_files(files)
+    except faults.FaultError as exc:
+        raise SystemExit(f"error: --fault-file: {exc}") from None
     if args.list:
         for fault in faults.FAULTS.values():
             print(
@@ -191,6 +196,7 @@ def _mutate(args: argparse.Namespace) -> int:
         world_sizes=args.world_sizes,
         rank_timeout=args.rank_timeout,
         suites=tuple(_split(args.suite)),
+        fault_files=tuple(files),
     )
     _suite_files(list(config.suites))  # unknown suite names fail before any run
     out = Path(args.out)
@@ -281,6 +287,13 @@ def _add_mutate(commands: Any) -> None:
         "--faults", action="append", default=[], help="fault IDs (default: the whole catalogue)"
     )
     mutate.add_argument("--list", action="store_true", help="print the fault catalogue and exit")
+    mutate.add_argument(
+        "--fault-file",
+        action="append",
+        default=[],
+        help="a Python file defining FAULTS = (harness.faults.Fault, ...): adds its faults to "
+        "the catalogue (repeatable)",
+    )
     mutate.add_argument("--suite", action="append", default=[], help="suites (default: all)")
     mutate.add_argument("--runner", choices=RUNNERS, default="threads")
     mutate.add_argument("--device", choices=DEVICES, default="cpu")

@@ -42,6 +42,8 @@ class RunConfig:
     rank_timeout: float
     suites: tuple[str, ...]
     """The suites to run (all when empty)."""
+    fault_files: tuple[str, ...] = ()
+    """Python files adding faults to the catalogue (``harness.faults.load_files``)."""
 
 
 @dataclass
@@ -152,7 +154,9 @@ def fault_run(
     The fault's area suites go first in a run of their own: within one run the plugin takes
     every suite at a world size before the next size, and most faults only show from world
     size 2 on, so one run of all suites would pass through every suite at size 1 first."""
-    extra = (f"--distconf-faults={fault.id}", "--exitfirst")
+    extra: tuple[str, ...] = (f"--distconf-faults={fault.id}", "--exitfirst")
+    if config.fault_files:
+        extra += (f"--distconf-fault-files={','.join(config.fault_files)}",)
     result = _uncaught(fault)
     tests: list[dict[str, Any]] = []
     for number, suites in enumerate((p for p in phases if p), start=1):
@@ -199,6 +203,7 @@ def mutate(
     jobs: int = 1,
 ) -> Mutation:
     """The clean run and every fault; ``out/mutation.json`` is kept current throughout."""
+    faults.load_files(config.fault_files)
     selected = faults.select(fault_ids or list(faults.FAULTS))
     specs = catalogue.load()
     available = list(config.suites) or sorted({s.suite for s in specs.values()})

@@ -97,6 +97,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="inject these faults (IDs of harness.faults, comma-separated; default: "
         "$DISTCONF_FAULTS) for the whole session: a mutation run, not a conformance verdict",
     )
+    group.addoption(
+        "--distconf-fault-files",
+        dest="distconf_fault_files",
+        default=None,
+        help="Python files defining FAULTS = (harness.faults.Fault, ...) to add to the fault "
+        "catalogue (comma-separated; default: $DISTCONF_FAULT_FILES)",
+    )
     _parsers.append(parser)
     _accept_gpu_workers(parser)
     parser.addini("distconf_catalogue", "path of the spec catalogue", default=None)
@@ -190,10 +197,13 @@ def _inject_faults(config: pytest.Config) -> None:
     from harness import faults
 
     ids = faults.parse(config.getoption("distconf_faults") or os.environ.get(faults.ENV_VAR))
+    files = faults.parse(
+        config.getoption("distconf_fault_files") or os.environ.get(faults.FILES_ENV_VAR)
+    )
     if not ids:
         return
     try:
-        config.add_cleanup(faults.activate(ids))
+        config.add_cleanup(faults.activate(ids, files))
     except faults.FaultError as exc:
         raise pytest.UsageError(f"--distconf-faults: {exc}") from None
     config.stash[_faults_key] = ids

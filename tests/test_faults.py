@@ -129,6 +129,67 @@ def test_activate_exports_to_rank_processes_and_undo_restores(monkeypatch):
     assert faults.ENV_VAR not in faults.os.environ
 
 
+FAULT_FILE = """
+from harness.faults import Fault, Patch
+
+
+def _doubled(original):
+    return lambda *args: 2 * original(*args)
+
+
+FAULTS = (
+    Fault(
+        id="own.doubled",
+        area="placements",
+        bug_class="a vendor's own bug",
+        summary="doubles",
+        patches=(Patch("fault_victim:function", _doubled),),
+    ),
+)
+"""
+
+
+@pytest.fixture
+def fault_file(tmp_path, victim):
+    path = tmp_path / "own_faults.py"
+    path.write_text(FAULT_FILE)
+    yield path
+    for fault_id in faults._loaded_files.pop(path.resolve(), ()):
+        faults.FAULTS.pop(fault_id)
+
+
+def test_a_fault_file_adds_its_faults_once_and_activate_exports_it(fault_file, victim, monkeypatch):
+    monkeypatch.delenv(faults.FILES_ENV_VAR, raising=False)
+    monkeypatch.delenv(faults.ENV_VAR, raising=False)
+    assert [f.id for f in faults.load_files([fault_file])] == ["own.doubled"]
+    assert [f.id for f in faults.load_files([fault_file])] == ["own.doubled"]  # no-op
+    undo = faults.activate(["own.doubled"], [str(fault_file)])
+    assert victim.function(3) == 6
+    assert faults.exported_files() == [str(fault_file.resolve())]
+    undo()
+    assert victim.function(3) == 3 and faults.FILES_ENV_VAR not in faults.os.environ
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("FAULTS = 3", "must define FAULTS as a tuple of harness.faults.Fault; got int"),
+        ("raise ImportError('boom')", "failed to import: ImportError"),
+        (
+            FAULT_FILE.replace("own.doubled", "dtensor.partial_avg_as_sum"),
+            r"ids=\['dtensor.partial_avg_as_sum'\] are already in the catalogue",
+        ),
+    ],
+)
+def test_a_bad_fault_file_is_named_with_what_is_wrong(tmp_path, victim, text, message):
+    path = tmp_path / "bad_faults.py"
+    path.write_text(text)
+    with pytest.raises(FaultError, match=message):
+        faults.load_files([path])
+    with pytest.raises(FaultError, match="does not exist"):
+        faults.load_files([tmp_path / "missing.py"])
+
+
 RANK_PROBE = """
 import pytest
 
@@ -156,6 +217,47 @@ def test_a_fault_reaches_every_rank_and_the_header(pytester, runner):
     run.assert_outcomes(passed=1)
     header = json.loads(results.read_text().splitlines()[0])
     assert header["faults"] == ["dtensor.partial_avg_as_sum"]
+
+
+OWN_PARTIAL_FAULT = """
+from harness.faults import Fault, Patch
+
+
+TARGET = "torch.distributed.tensor.placement_types:Partial._reduce_value"
+
+
+def _renamed(original):
+    def own_reduce(*args):
+        return original(*args)
+
+    return own_reduce
+
+
+FAULTS = (
+    Fault(
+        id="own.renamed",
+        area="placements",
+        bug_class="test",
+        summary="renames Partial._reduce_value",
+        patches=(Patch(TARGET, _renamed),),
+    ),
+)
+"""
+
+
+@pytest.mark.parametrize("runner", ["threads", "processes"])
+def test_a_fault_file_reaches_every_rank(pytester, runner):
+    (pytester.path / "own_faults.py").write_text(OWN_PARTIAL_FAULT)
+    pytester.makepyfile(test_probe=RANK_PROBE.replace('"reduce_value"', '"own_reduce"'))
+    run = pytester.runpytest_subprocess(
+        "-p",
+        "no:cacheprovider",
+        f"--runner={runner}",
+        "--world-sizes=2",
+        "--distconf-faults=own.renamed",
+        f"--distconf-fault-files={pytester.path / 'own_faults.py'}",
+    )
+    run.assert_outcomes(passed=1)
 
 
 def test_an_unknown_fault_option_is_a_usage_error(pytester):

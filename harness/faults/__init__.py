@@ -6,17 +6,25 @@ A fault is active for a whole pytest session: ``--distconf-faults=ID,...`` appli
 driver (and so in thread-runner ranks) and, through ``$DISTCONF_FAULTS``, in every rank
 process of the process runner before its first call. Nothing here imports torch until a
 fault is applied.
+
+Faults of one's own (a vendor's known bugs, a held-out set) live in a Python file defining
+``FAULTS = (Fault(...), ...)``: ``--distconf-fault-files=PATH,...`` (or
+``$DISTCONF_FAULT_FILES``) adds them to the catalogue for that session and its rank processes.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 from harness.faults import dtensor, modules, parallel, state_dict, training
 from harness.faults._patch import Fault, FaultError, Patch, Undo
 
 ENV_VAR = "DISTCONF_FAULTS"
+FILES_ENV_VAR = "DISTCONF_FAULT_FILES"
 
 _ALL = (
     *dtensor.FAULTS,
@@ -26,6 +34,53 @@ _ALL = (
     *parallel.FAULTS,
 )
 FAULTS: dict[str, Fault] = {fault.id: fault for fault in _ALL}
+BUILTIN = frozenset(FAULTS)
+_loaded_files: dict[Path, tuple[str, ...]] = {}
+
+
+def load_files(paths: Sequence[str | Path]) -> list[Fault]:
+    """Add the faults each file's ``FAULTS`` tuple defines to the catalogue; return them.
+
+    Loading a file again is a no-op; an ID that is already taken is a ``FaultError``."""
+    added: list[Fault] = []
+    for path in (Path(p).resolve() for p in paths):
+        if path in _loaded_files:
+            added += [FAULTS[i] for i in _loaded_files[path]]
+            continue
+        found = _faults_of_file(path)
+        taken = sorted(f.id for f in found if f.id in FAULTS)
+        if taken:
+            raise FaultError(
+                f"fault file {str(path)!r}: ids={taken!r} are already in the catalogue"
+            )
+        FAULTS.update((f.id, f) for f in found)
+        _loaded_files[path] = tuple(f.id for f in found)
+        added += found
+    return added
+
+
+def _faults_of_file(path: Path) -> list[Fault]:
+    if not path.is_file():
+        raise FaultError(f"fault file {str(path)!r} does not exist")
+    name = "distconf_fault_file_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise FaultError(f"fault file {str(path)!r} failed to import: {exc!r}") from exc
+    found = getattr(module, "FAULTS", None)
+    if not isinstance(found, tuple | list) or not all(isinstance(f, Fault) for f in found):
+        raise FaultError(
+            f"fault file {str(path)!r} must define FAULTS as a tuple of harness.faults.Fault; "
+            f"got {type(found).__name__}"
+        )
+    ids = [f.id for f in found]
+    if len(set(ids)) != len(ids):
+        raise FaultError(f"fault file {str(path)!r}: ids={ids!r} repeat an id")
+    return list(found)
 
 
 def select(ids: Sequence[str]) -> list[Fault]:
@@ -43,8 +98,10 @@ def parse(text: str | None) -> list[str]:
     return [part.strip() for part in (text or "").split(",") if part.strip()]
 
 
-def activate(ids: Sequence[str]) -> Undo:
-    """Apply the faults in this process and export them to rank processes started later."""
+def activate(ids: Sequence[str], files: Sequence[str] = ()) -> Undo:
+    """Apply the faults (from the catalogue and ``files``) in this process and export them to
+    rank processes started later."""
+    load_files(files)
     undos: list[Undo] = []
     try:
         for fault in select(ids):
@@ -53,16 +110,18 @@ def activate(ids: Sequence[str]) -> Undo:
         for undo in reversed(undos):
             undo()
         raise
-    previous = os.environ.get(ENV_VAR)
+    previous = {name: os.environ.get(name) for name in (ENV_VAR, FILES_ENV_VAR)}
     os.environ[ENV_VAR] = ",".join(ids)
+    os.environ[FILES_ENV_VAR] = ",".join(str(Path(f).resolve()) for f in files)
 
     def undo_all() -> None:
         for undo in reversed(undos):
             undo()
-        if previous is None:
-            os.environ.pop(ENV_VAR, None)
-        else:
-            os.environ[ENV_VAR] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
     return undo_all
 
@@ -72,21 +131,31 @@ def exported() -> list[str]:
     return parse(os.environ.get(ENV_VAR))
 
 
-def apply_in_rank(ids: Sequence[str]) -> None:
+def exported_files() -> list[str]:
+    """The fault files this process exports to rank processes (what ``activate`` set)."""
+    return parse(os.environ.get(FILES_ENV_VAR))
+
+
+def apply_in_rank(ids: Sequence[str], files: Sequence[str] = ()) -> None:
     """In a rank process: apply the driver's faults for the process's lifetime."""
+    load_files(files)
     for fault in select(ids):
         fault.apply()
 
 
 __all__ = [
+    "BUILTIN",
     "ENV_VAR",
     "FAULTS",
+    "FILES_ENV_VAR",
     "Fault",
     "FaultError",
     "Patch",
     "activate",
     "apply_in_rank",
     "exported",
+    "exported_files",
+    "load_files",
     "parse",
     "select",
 ]

@@ -47,6 +47,7 @@ class RankConfig:
     parent_pid: int
     strict_collectives: bool
     faults: tuple[str, ...] = ()
+    fault_files: tuple[str, ...] = ()
 
 
 def _is_release(exc: BaseException) -> bool:
@@ -110,7 +111,8 @@ class _Rank:
         from harness.context import RankContext
 
         _torch_internals.quiet_known_warnings()
-        faults.apply_in_rank(config.faults)  # a mutation run: the driver's faults, here too
+        # a mutation run: the driver's faults, here too
+        faults.apply_in_rank(config.faults, config.fault_files)
         self.config = config
         device = torch.device(config.device)
         if device.type == "cuda":

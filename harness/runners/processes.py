@@ -91,6 +91,7 @@ class _Pool:
                 parent_pid=os.getpid(),
                 strict_collectives=strict,
                 faults=tuple(faults.exported()),
+                fault_files=tuple(faults.exported_files()),
             )
             process = context.Process(
                 target=_rank_process.main,
