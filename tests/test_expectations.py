@@ -215,3 +215,51 @@ def test_an_expectation_for_an_unknown_spec_is_a_usage_error(project):
     run = project.runpytest_subprocess("-p", "no:cacheprovider", "--world-sizes=2")
     assert run.ret == pytest.ExitCode.USAGE_ERROR
     run.stderr.fnmatch_lines(["*bad.toml #1: unknown spec ID 'demo.nope'*"])
+
+
+SHRINK_SUITE = """
+import pytest
+from hypothesis import given, settings, strategies as st
+
+def _value(ctx, x):
+    return x
+
+@pytest.mark.spec("demo.{name}")
+@settings(deadline=None, derandomize=True, max_examples=100)
+@given(x=st.integers(0, 10**6))
+def test_{name}(world, x):
+    assert world.run(_value, x)[0] < 1000, "torch is off from 1000 on"
+"""
+
+
+def test_a_known_deviation_is_not_shrunk_and_a_real_failure_is(pytester):
+    pytester.makeini(
+        "[pytest]\ndistconf_catalogue = catalogue.toml\ndistconf_suites = conformance\n"
+        "distconf_expectations = expectations\n"
+    )
+    names = ("known", "real")
+    (pytester.path / "catalogue.toml").write_text("".join(CATALOGUE.format(name=n) for n in names))
+    (pytester.path / "conformance").mkdir()
+    (pytester.path / "conformance" / "test_demo.py").write_text(
+        "\n".join(SHRINK_SUITE.replace("{name}", name) for name in names)
+    )
+    (pytester.path / "expectations").mkdir()
+    (pytester.path / "expectations" / "known.toml").write_text(
+        '[[expect]]\nspec = "demo.known"\nstatus = "xfail"\nreason = "off from 1000 on"\n'
+        'link = "https://example.invalid/1"\n'
+    )
+    results = pytester.path / "r.jsonl"
+    run = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--world-sizes=1", f"--distconf-results={results}"
+    )
+    run.assert_outcomes(xfailed=1, failed=1)
+    records = {
+        r["spec"]: r
+        for line in results.read_text().splitlines()
+        if (r := json.loads(line))["kind"] == "test"
+    }
+    known, real = records["demo.known"], records["demo.real"]
+    # The known deviation stops at its first failing example; the real failure shrinks.
+    assert known["examples"] <= known["examples_to_failure"] + 2
+    assert real["examples"] > real["examples_to_failure"] + 2
+    assert "x=1000" in real["falsifying_example"]
