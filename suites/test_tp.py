@@ -188,12 +188,16 @@ TRANSFORMER_WHY = "partial products and LayerNorm terms summed in another order"
 # float32: that amplification leaves one device in float32 itself up to 1e-4 off the
 # float64 answer (measured), spread unevenly over the network: a tensor one device got
 # nearly exact can still take another order's rounding from upstream. TP in float32 is
-# held to the float64 answer within a few times the largest error one device's float32
-# run makes in any tensor of the same kind (outputs, gradients, parameters). Its one
-# Adam step moves a parameter by lr * g / (|g| + eps), turning a gradient difference d
-# into at most lr / eps * d: the gradients' allowance, amplified, is added.
-FLOAT32_SLACK, FLOAT32_FLOOR = 4.0, 1e-6
-FLOAT32_WHY = "float32 rounding: within 4x one device's largest float32 error, + 1e-6"
+# held to the float64 answer within a multiple of the largest error one device's float32
+# run makes in any tensor of the same kind (outputs, gradients, parameters). Two orders'
+# rounding errors are two samples, not one bound: over 220 drawn float32 cases at world
+# sizes 2-4, TP's error was a median 1.0x one device's and reached 10.6x (a width-2
+# LayerNorm, whose gradient is almost all cancellation), so the multiple is 32. A missed
+# reduction or a wrong shard is off by whole terms, 1e-2 relative and more. Its one Adam
+# step moves a parameter by lr * g / (|g| + eps), turning a gradient difference d into at
+# most lr / eps * d: the gradients' allowance, amplified, is added.
+FLOAT32_SLACK, FLOAT32_FLOOR = 32.0, 1e-6
+FLOAT32_WHY = "float32 rounding: within 32x one device's largest float32 error, + 1e-6"
 
 
 def _float32_atol(exact: Sequence[np.ndarray], own: Sequence[np.ndarray]) -> float:
