@@ -13,10 +13,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
-    loss_parallel,
     parallelize_module,
 )
 
+from harness import shared_contexts
 from harness.collectives import CountKey, counting
 from harness.context import RankContext
 from harness.dtensor import from_torch_placements, tensor_from, to_numpy, to_torch_placements
@@ -231,7 +231,7 @@ def loss_on_rank(ctx: RankContext, case: LossCase) -> LossResult:
         placements = to_torch_placements(target_placements(case.spec_placements()))
         target_t = distribute_tensor(target_t, mesh, placements)
     weight_t = None if weight is None else tensor_from(weight, case.dtype, ctx.device)
-    with loss_parallel():
+    with shared_contexts.loss_parallel():
         try:
             with counting() as forward:
                 loss = F.cross_entropy(dist_x, target_t, weight_t, reduction=case.reduction)

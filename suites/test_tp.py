@@ -2,9 +2,9 @@
 upstream test each covers: the specs' provenance). FSDP+TP training is optim.fsdp_tp.parity.
 
 ``loss_parallel()`` (and torch's own ``CommDebugMode``) change process-global dispatch
-state in torch 2.13 and fail when rank threads use them at once, so the loss_parallel
-checks run on the process runner. Collectives are counted by ``harness.collectives``,
-whose counters are per thread, so the MLP's counts run on both runners.
+state in torch 2.13 and fail when rank threads use them at once: the checks enter it
+through ``harness.shared_contexts``, once per process. Collectives are counted by
+``harness.collectives``, whose counters are per thread, so every count runs on both runners.
 """
 
 from __future__ import annotations
@@ -36,10 +36,11 @@ from suites import _tp_transformer as transformer
 
 # World.run enforces its own deadline; hypothesis' per-example deadline would misfire.
 PROPERTY = settings(deadline=None)
-LOSS_PARALLEL = pytest.mark.runner(
+HANGS_ITS_PEERS = pytest.mark.runner(
     "processes",
-    reason="loss_parallel() swaps DTensor's op handlers process-wide in torch 2.13: rank "
-    "threads using it at once fail (KeyError: aten._log_softmax)",
+    reason="a rank holding no class issues one all-reduce fewer and its peers wait forever "
+    "(an expectation); a rank thread stuck there would keep the process-wide loss_parallel() "
+    "entered for the rest of the session",
 )
 
 # Rowwise layers sum partial matmul products over the ranks (all-reduce or
@@ -376,7 +377,6 @@ def _holds_input(case: LossCase, rank: int) -> bool:
 
 
 @pytest.mark.spec("tp.loss_parallel.class_dim")
-@LOSS_PARALLEL
 @PROPERTY
 @given(data=st.data())
 def test_loss_parallel_matches_cross_entropy(world: World, data: st.DataObject) -> None:
@@ -384,7 +384,6 @@ def test_loss_parallel_matches_cross_entropy(world: World, data: st.DataObject) 
 
 
 @pytest.mark.spec("tp.loss_parallel.multi_dim")
-@LOSS_PARALLEL
 @PROPERTY
 @given(data=st.data())
 def test_loss_parallel_on_a_2d_mesh_matches_cross_entropy(
@@ -394,7 +393,6 @@ def test_loss_parallel_on_a_2d_mesh_matches_cross_entropy(
 
 
 @pytest.mark.spec("tp.loss_parallel.rejected")
-@LOSS_PARALLEL
 @PROPERTY
 @given(data=st.data())
 def test_loss_parallel_rejects_other_layouts(world: World, data: st.DataObject) -> None:
@@ -420,7 +418,7 @@ HANGS = settings(deadline=None, max_examples=3, phases=(Phase.explicit, Phase.ge
 
 
 @pytest.mark.spec("tp.loss_parallel.empty_class_shard")
-@LOSS_PARALLEL
+@HANGS_ITS_PEERS
 @pytest.mark.world_size(min=2)
 @HANGS
 @given(data=st.data())
