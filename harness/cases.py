@@ -93,15 +93,21 @@ class DistributeCase:
 
 @dataclass(frozen=True)
 class OpCase:
-    """``op(distribute_tensor(...), dim, keepdim)`` against the op on the global tensor."""
+    """``op(distribute_tensor(...), dim, keepdim)`` for each ``(dim, keepdim)`` of
+    ``applications``, in order on the same DTensor, against the op on the global tensor."""
 
     source: DistributeCase
     op: str
-    dim: int
-    keepdim: bool
+    applications: tuple[tuple[int, bool], ...]
 
-    def call(self) -> str:
-        return f"{self.op}(dim={self.dim}, keepdim={self.keepdim}) of {self.source.call()}"
+    def __post_init__(self) -> None:
+        if not self.applications:
+            raise ValueError(f"applications={self.applications!r} must name at least one")
+
+    def call(self, index: int | None = None) -> str:
+        chosen = self.applications if index is None else self.applications[index : index + 1]
+        calls = ", then ".join(f"{self.op}(dim={d}, keepdim={k})" for d, k in chosen)
+        return f"{calls} of {self.source.call()}"
 
 
 @dataclass(frozen=True)

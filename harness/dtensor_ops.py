@@ -30,6 +30,8 @@ class Op:
     """Drawn only on tensors no mesh axis shards: DTensor views never redistribute, and torch
     2.13 raises "Sharding propagation failed" for a flatten that merges a sharded dim other
     than the group's first (f64[1, 5, 2] Shard(1) on 3 ranks). Not yet specced on its own."""
+    negative_dims: bool = True
+    """``dim`` may be drawn counted from the back (``d - ndim``)."""
 
 
 def _matmul(t: torch.Tensor, dim: int, keepdim: bool) -> torch.Tensor:
@@ -60,9 +62,15 @@ OPS: dict[str, Op] = {
     "norm": Op(lambda t, d, k: torch.linalg.vector_norm(t)),
     "softmax": Op(lambda t, d, k: torch.softmax(t, d), min_ndim=1, needs_dim=True),
     "log_softmax": Op(lambda t, d, k: torch.log_softmax(t, d), min_ndim=1, needs_dim=True),
-    "cumsum": Op(lambda t, d, k: torch.cumsum(t, d), min_ndim=1, needs_dim=True),
+    # torch 2.13 takes a scan's dim as given where a shard names it from the front (spec
+    # placements.ops.scan_negative_dim checks that on its own)
+    "cumsum": Op(
+        lambda t, d, k: torch.cumsum(t, d), min_ndim=1, needs_dim=True, negative_dims=False
+    ),
     "transpose": Op(lambda t, d, k: t.transpose(d, -1), min_ndim=1, needs_dim=True),
-    "flatten": Op(lambda t, d, k: t.flatten(), unsharded_only=True),
+    # torch 2.13 loops forever flattening a DTensor with no elements whose leading dim is 0
+    # (spec placements.ops.flatten_empty checks that on its own)
+    "flatten": Op(lambda t, d, k: t.flatten(), unsharded_only=True, nonempty=True),
     "unsqueeze": Op(lambda t, d, k: t.unsqueeze(d), min_ndim=1, needs_dim=True),
     "cat": Op(lambda t, d, k: torch.cat([t, t], d), min_ndim=1, needs_dim=True),
     "matmul": Op(_matmul, min_ndim=1),

@@ -43,15 +43,23 @@ def distribute_on_rank(ctx: RankContext, case: DistributeCase) -> DTensorView:
     return view_of(_distribute(ctx, case), ctx.rank)
 
 
-def op_on_rank(ctx: RankContext, case: OpCase) -> DTensorView:
-    result = dtensor_ops.apply(case.op, _distribute(ctx, case.source), case.dim, case.keepdim)
-    return view_of(result, ctx.rank)
+def op_on_rank(ctx: RankContext, case: OpCase) -> list[DTensorView]:
+    """Each application of the op, in order, on one DTensor (a sharding decision cached
+    for one dim must not serve another)."""
+    source = _distribute(ctx, case.source)
+    return [
+        view_of(dtensor_ops.apply(case.op, source, dim, keepdim), ctx.rank)
+        for dim, keepdim in case.applications
+    ]
 
 
-def op_on_one_device(case: OpCase, device: str) -> np.ndarray:
-    """The reference: the same op on the global tensor, on one device."""
+def op_on_one_device(case: OpCase, device: str) -> list[np.ndarray]:
+    """The reference: the same ops on the global tensor, on one device."""
     tensor = tensor_from(case.source.global_array(), case.source.dtype, torch.device(device))
-    return to_numpy(dtensor_ops.apply(case.op, tensor, case.dim, case.keepdim))
+    return [
+        to_numpy(dtensor_ops.apply(case.op, tensor, dim, keepdim))
+        for dim, keepdim in case.applications
+    ]
 
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]

@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from harness import World
-from harness.cases import DistributeCase
+from harness.cases import DistributeCase, OpCase
 from harness.dtensor import DTensorView
 from harness.parity import assert_array_equal, assert_close
 from harness.strategies import (
     distribute_cases,
     extremum_to_shard_cases,
+    flatten_empty_cases,
     op_cases,
     partial_sum_integer_cases,
     partial_target_cases,
     redistribute_cases,
+    scan_negative_dim_cases,
 )
 from specs.placements import REDUCE_OPS, Partial, Placement, coord_of_rank, local_arrays
 from suites._dtensor_checks import (
@@ -157,37 +160,74 @@ OP_WHY = "sharded reductions add the same terms in another order"
 def test_ops_on_dtensors_match_one_device(world: World, data: st.DataObject) -> None:
     case = data.draw(op_cases(world.world_size), label="case")
     expected = op_on_one_device(case, world.device)
-    views = world.run(op_on_rank, case)
+    results = world.run(op_on_rank, case)
+    for index, want in enumerate(expected):
+        for views in results:
+            _assert_op_result(views[index], want, case, index)
+
+
+def _assert_op_result(view: DTensorView, expected: np.ndarray, case: OpCase, index: int) -> None:
     rtol, atol = OP_TOLERANCE
-    for view in views:
-        who = f"{case.op} on rank {view.rank} (mesh coord {view.coord})"
-        assert view.full is not None
-        assert_close(
-            view.full,
-            expected,
-            rtol=rtol,
-            atol=atol,
-            dtype="float64",
-            what=f"full_tensor() of {who}",
-            why=OP_WHY,
-            call=case.call(),
-            record_as="op/float64",
-        )
-        placements = view.placements
-        if any(isinstance(p, str | Partial) for p in placements):
-            continue  # contributions, or a placement the model does not know (_StridedShard)
-        local = local_arrays(expected, case.source.mesh_shape, _known(placements))[view.coord]
-        assert_close(
-            view.local,
-            local,
-            rtol=rtol,
-            atol=atol,
-            dtype="float64",
-            what=f"to_local() of {who}",
-            why=OP_WHY,
-            call=case.call(),
-        )
+    dim, _ = case.applications[index]
+    who = f"{case.op}(dim={dim}) on rank {view.rank} (mesh coord {view.coord})"
+    assert view.full is not None
+    assert_close(
+        view.full,
+        expected,
+        rtol=rtol,
+        atol=atol,
+        dtype="float64",
+        what=f"full_tensor() of {who}",
+        why=OP_WHY,
+        call=case.call(),
+        record_as="op/float64",
+    )
+    placements = view.placements
+    if any(isinstance(p, str | Partial) for p in placements):
+        return  # contributions, or a placement the model does not know (_StridedShard)
+    local = local_arrays(expected, case.source.mesh_shape, _known(placements))[view.coord]
+    assert_close(
+        view.local,
+        local,
+        rtol=rtol,
+        atol=atol,
+        dtype="float64",
+        what=f"to_local() of {who}",
+        why=OP_WHY,
+        call=case.call(),
+    )
 
 
 def _known(placements: tuple[Placement | str, ...]) -> tuple[Placement, ...]:
     return tuple(p for p in placements if not isinstance(p, str))
+
+
+@pytest.mark.spec("placements.ops.scan_negative_dim")
+@pytest.mark.world_size(min=2)
+@PROPERTY
+@given(data=st.data())
+def test_scan_along_a_dim_counted_from_the_back(world: World, data: st.DataObject) -> None:
+    case = data.draw(scan_negative_dim_cases(world.world_size), label="case")
+    (expected,) = op_on_one_device(case, world.device)
+    for (view,) in world.run(op_on_rank, case):
+        _assert_op_result(view, expected, case, 0)
+
+
+# A spinning rank thread cannot be stopped: the process runner kills the rank. A few
+# examples, never shrunk (a respawn each).
+HANGS = settings(deadline=None, max_examples=3, phases=(Phase.explicit, Phase.generate))
+
+
+@pytest.mark.spec("placements.ops.flatten_empty")
+@pytest.mark.runner(
+    "processes",
+    reason="torch 2.13 loops forever here (an expectation); a rank thread spinning in "
+    "Python cannot be stopped and would hold the GIL for the rest of the session",
+)
+@HANGS
+@given(data=st.data())
+def test_flatten_of_a_tensor_without_elements(world: World, data: st.DataObject) -> None:
+    case = data.draw(flatten_empty_cases(world.world_size), label="case")
+    (expected,) = op_on_one_device(case, world.device)
+    for (view,) in world.run(op_on_rank, case, timeout=5.0):
+        _assert_op_result(view, expected, case, 0)

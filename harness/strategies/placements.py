@@ -91,7 +91,9 @@ def distribute_cases(
 @st.composite
 def op_cases(draw: st.DrawFn, world_size: int) -> OpCase:
     """A float64 DTensor laid out by drawn placements and an op of ``harness.dtensor_ops``
-    that fits its rank (amax/amin along a non-empty dim, as on one device).
+    that fits its rank (amax/amin along a non-empty dim, as on one device). An op along a
+    dim is applied along each of them, in a drawn order, each dim spelled ``d`` or
+    ``d - ndim``.
 
     max/min reductions are drawn only where no rank holds an empty shard
     (``extremum_empty_shard_cases`` draws those)."""
@@ -102,10 +104,49 @@ def op_cases(draw: st.DrawFn, world_size: int) -> OpCase:
     sharded = any(isinstance(p, Shard) for p in chosen)
     fitting = [name for name, op in OPS.items() if _fits(op, shape, empty, sharded)]
     name = draw(sampled(tuple(fitting)))
-    dims = [d for d in range(len(shape)) if not (OPS[name].nonempty_dim and shape[d] == 0)]
-    dim = draw(sampled(tuple(dims))) if OPS[name].needs_dim else 0
     source = DistributeCase(mesh, chosen, shape, "float64", draw(seeds()))
-    return OpCase(source, name, dim, draw(st.booleans()))
+    if not OPS[name].needs_dim:
+        return OpCase(source, name, ((0, draw(st.booleans())),))
+    dims = [d for d in range(len(shape)) if not (OPS[name].nonempty_dim and shape[d] == 0)]
+    order = draw(st.permutations(dims))
+    spelled = _spelled if OPS[name].negative_dims else _from_the_front
+    return OpCase(
+        source, name, tuple((draw(spelled(d, len(shape))), draw(st.booleans())) for d in order)
+    )
+
+
+def _spelled(dim: int, ndim: int) -> st.SearchStrategy[int]:
+    """``dim`` as torch accepts it: counted from the front or from the back."""
+    return sampled((dim, dim - ndim))
+
+
+def _from_the_front(dim: int, ndim: int) -> st.SearchStrategy[int]:
+    return st.just(dim)
+
+
+@takes_world_size
+@st.composite
+def scan_negative_dim_cases(draw: st.DrawFn, world_size: int) -> OpCase:
+    """cumsum along a dim given counted from the back, on a tensor a 1-D mesh of
+    ``world_size`` >= 2 ranks shards along that dim."""
+    if world_size < 2:
+        raise ValueError(f"world_size={world_size!r} must be >= 2 for a dim to be split")
+    ndim = draw(st.integers(1, 3))
+    dim = draw(st.integers(0, ndim - 1))
+    shape = [draw(st.integers(1, 3)) for _ in range(ndim)]
+    shape[dim] = draw(st.integers(world_size, 2 * world_size + 1))
+    source = DistributeCase((world_size,), (Shard(dim),), tuple(shape), "float64", draw(seeds()))
+    return OpCase(source, "cumsum", ((dim - ndim, False),))
+
+
+@takes_world_size
+@st.composite
+def flatten_empty_cases(draw: st.DrawFn, world_size: int) -> OpCase:
+    """flatten of a tensor with no elements whose leading dim is 0 (2-3 dims, the others
+    1-3), replicated on a 1-D mesh of ``world_size`` ranks."""
+    shape = (0, *(draw(st.integers(1, 3)) for _ in range(draw(st.integers(1, 2)))))
+    source = DistributeCase((world_size,), (Replicate(),), shape, "float64", draw(seeds()))
+    return OpCase(source, "flatten", ((0, False),))
 
 
 @takes_world_size
@@ -120,7 +161,7 @@ def extremum_empty_shard_cases(draw: st.DrawFn, world_size: int) -> OpCase:
     shape = [draw(st.integers(1, 3)) for _ in range(ndim)]
     shape[dim] = draw(st.integers(1, world_size - 1))
     source = DistributeCase((world_size,), (Shard(dim),), tuple(shape), "float64", draw(seeds()))
-    return OpCase(source, draw(sampled(("amax_dim", "amin"))), dim, draw(st.booleans()))
+    return OpCase(source, draw(sampled(("amax_dim", "amin"))), ((dim, draw(st.booleans())),))
 
 
 def _fits(op: Op, shape: tuple[int, ...], empty: bool, sharded: bool) -> bool:
