@@ -111,6 +111,28 @@ class OpCase:
 
 
 @dataclass(frozen=True)
+class ReshapeCase:
+    """``distribute_tensor(...).view(target)`` (or ``.reshape``) against one device's."""
+
+    source: DistributeCase
+    target: tuple[int, ...]
+    method: str
+    """``view`` or ``reshape``."""
+
+    def __post_init__(self) -> None:
+        if self.method not in ("view", "reshape"):
+            raise ValueError(f"method={self.method!r} must be 'view' or 'reshape'")
+        if math.prod(self.target) != math.prod(self.source.shape):
+            raise ValueError(
+                f"target={self.target!r} must hold the {math.prod(self.source.shape)} elements "
+                f"of shape {self.source.shape!r}"
+            )
+
+    def call(self) -> str:
+        return f"{self.method}{self.target} of {self.source.call()}"
+
+
+@dataclass(frozen=True)
 class RedistributeCase:
     """``DTensor.from_local(model locals, mesh, src).redistribute(mesh, dst)``."""
 

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from harness import _torch_internals, dtensor_ops
-from harness.cases import DistributeCase, OpCase, RedistributeCase
+from harness.cases import DistributeCase, OpCase, RedistributeCase, ReshapeCase
 from harness.context import RankContext
 from harness.dtensor import DTensorView, tensor_from, to_numpy, to_torch_placements, view_of
 from harness.parity import assert_array_equal, assert_equal_values
@@ -60,6 +60,16 @@ def op_on_one_device(case: OpCase, device: str) -> list[np.ndarray]:
         to_numpy(dtensor_ops.apply(case.op, tensor, dim, keepdim))
         for dim, keepdim in case.applications
     ]
+
+
+def reshape_on_rank(ctx: RankContext, case: ReshapeCase) -> DTensorView | str:
+    """The view (or reshape) of the distributed tensor, or the RuntimeError it raised."""
+    source = _distribute(ctx, case.source)
+    try:
+        result = getattr(source, case.method)(case.target)
+    except RuntimeError as exc:
+        return str(exc)
+    return view_of(result, ctx.rank)
 
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]

@@ -8,7 +8,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from harness import World
-from harness.cases import DistributeCase, OpCase
+from harness.cases import DistributeCase, OpCase, ReshapeCase
 from harness.dtensor import DTensorView
 from harness.parity import assert_array_equal, assert_close
 from harness.strategies import (
@@ -19,9 +19,17 @@ from harness.strategies import (
     partial_sum_integer_cases,
     partial_target_cases,
     redistribute_cases,
+    reshape_cases,
     scan_negative_dim_cases,
 )
-from specs.placements import REDUCE_OPS, Partial, Placement, coord_of_rank, local_arrays
+from specs.placements import (
+    REDUCE_OPS,
+    Partial,
+    Placement,
+    Shard,
+    coord_of_rank,
+    local_arrays,
+)
 from suites._dtensor_checks import (
     assert_layout,
     distribute_on_rank,
@@ -29,6 +37,7 @@ from suites._dtensor_checks import (
     op_on_rank,
     redistribute_error_on_rank,
     redistribute_on_rank,
+    reshape_on_rank,
 )
 
 # World.run enforces its own deadline; hypothesis' per-example deadline would misfire on
@@ -231,3 +240,33 @@ def test_flatten_of_a_tensor_without_elements(world: World, data: st.DataObject)
     (expected,) = op_on_one_device(case, world.device)
     for (view,) in world.run(op_on_rank, case, timeout=5.0):
         _assert_op_result(view, expected, case, 0)
+
+
+@pytest.mark.spec("placements.ops.reshape")
+@PROPERTY
+@given(data=st.data())
+def test_view_and_reshape_match_one_device(world: World, data: st.DataObject) -> None:
+    case = data.draw(reshape_cases(world.world_size), label="case")
+    expected = case.source.global_array().reshape(case.target)
+    sharded = any(isinstance(p, Shard) for p in case.source.placements)
+    for rank, result in enumerate(world.run(reshape_on_rank, case)):
+        if isinstance(result, str):
+            # Views never move data between ranks: torch may refuse a sharded layout local
+            # views cannot serve (with several messages in 2.13), never an unsharded one.
+            if not sharded:
+                raise AssertionError(
+                    f"rank {rank}: got RuntimeError {result!r}, should be the reshaped tensor "
+                    f"(only a sharded tensor may be refused) [{case.call()}]"
+                )
+            continue
+        _assert_reshaped(result, expected, case)
+
+
+def _assert_reshaped(view: DTensorView, expected: np.ndarray, case: ReshapeCase) -> None:
+    who = f"{case.method} on rank {view.rank} (mesh coord {view.coord})"
+    assert view.full is not None
+    assert_array_equal(view.full, expected, what=f"full_tensor() of {who}", call=case.call())
+    if any(isinstance(p, str | Partial) for p in view.placements):
+        return  # contributions, or a placement the model does not know (_StridedShard)
+    local = local_arrays(expected, case.source.mesh_shape, _known(view.placements))[view.coord]
+    assert_array_equal(view.local, local, what=f"to_local() of {who}", call=case.call())

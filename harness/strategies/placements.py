@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import cache
 
 from hypothesis import strategies as st
 
-from harness.cases import DistributeCase, OpCase, RedistributeCase
+from harness.cases import DistributeCase, OpCase, RedistributeCase, ReshapeCase
 from harness.dtensor_ops import OPS, Op
 from harness.strategies._common import (
     check_int,
@@ -122,6 +123,33 @@ def _spelled(dim: int, ndim: int) -> st.SearchStrategy[int]:
 
 def _from_the_front(dim: int, ndim: int) -> st.SearchStrategy[int]:
     return st.just(dim)
+
+
+@takes_world_size
+@st.composite
+def reshape_cases(draw: st.DrawFn, world_size: int) -> ReshapeCase:
+    """A DTensor with elements laid out by drawn placements, viewed or reshaped to 1-3 dims
+    that regroup its elements (the prime factors of its size dealt out anew, sides of 1
+    among them). Tensors without elements are left to ``flatten_empty_cases``: torch 2.13
+    never returns from some of their views (spec placements.ops.flatten_empty)."""
+    mesh = draw(mesh_shapes(world_size))
+    shape = draw(shapes(min_ndim=1, near=max(mesh)).filter(lambda s: 0 not in s))
+    chosen = draw(placements(len(mesh), len(shape)))
+    target = [1] * draw(st.integers(1, 3))
+    for prime in _prime_factors(math.prod(shape)):
+        target[draw(st.integers(0, len(target) - 1))] *= prime
+    source = DistributeCase(mesh, chosen, shape, "float64", draw(seeds()))
+    return ReshapeCase(source, tuple(target), draw(sampled(("view", "reshape"))))
+
+
+def _prime_factors(n: int) -> list[int]:
+    found, factor = [], 2
+    while n > 1:
+        while n % factor == 0:
+            found.append(factor)
+            n //= factor
+        factor += 1
+    return found
 
 
 @takes_world_size
