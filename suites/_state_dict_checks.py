@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 
-from harness.cases import StateDictCase
+from harness.cases import OptimConfig, ParityCase, StateDictCase
 from harness.context import RankContext
 from harness.dtensor import tensor_from, to_numpy
 from harness.models import build_mlp
@@ -28,7 +28,10 @@ from harness.parity import assert_array_equal, assert_close, assert_equal_values
 from suites._training import optimizer_for, parallelize, train_step
 
 FRESH_LR_FACTOR = 10.0
-"""A fresh optimizer's lr is the case's times this: loading must restore the case's."""
+"""A fresh optimizer's lr (in every group) is the case's times this: loading must restore
+the case's."""
+FRESH_WEIGHT_DECAY = 0.03
+"""Added to a fresh optimizer's weight decay in every group, likewise."""
 
 
 # --- building and snapshots -------------------------------------------------------------
@@ -70,13 +73,30 @@ class Sharded:
         ]
 
 
+def _other_hyperparameters(train: ParityCase) -> OptimConfig:
+    """The case's optimizer with another lr and weight decay in every parameter group."""
+    optim = train.optim
+
+    def moved(options: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
+        chosen = dict(options)
+        chosen["weight_decay"] = chosen.get("weight_decay", 0.0) + FRESH_WEIGHT_DECAY
+        if "lr" in chosen:
+            chosen["lr"] *= FRESH_LR_FACTOR
+        return tuple(chosen.items())
+
+    second = None if optim.second_group is None else moved(optim.second_group)
+    return replace(
+        optim, lr=optim.lr * FRESH_LR_FACTOR, options=moved(optim.options), second_group=second
+    )
+
+
 def build(ctx: RankContext, case: StateDictCase, *, fresh: bool = False) -> Sharded:
     """The case's sharded model and optimizer; ``fresh``: initialised from another seed,
-    the optimizer with another lr (what a load must overwrite)."""
+    the optimizer with another lr and weight decay in every group (what a load must
+    overwrite)."""
     train = case.train
     if fresh:
-        optim = replace(train.optim, lr=train.optim.lr * FRESH_LR_FACTOR)
-        train = replace(train, seed=(train.seed + 1) % 2**32, optim=optim)
+        train = replace(train, seed=(train.seed + 1) % 2**32, optim=_other_hyperparameters(train))
     model = build_mlp(train, ctx.device)
     wrapped, dp_rank = parallelize(model, train, ctx, **fsdp_options(case))
     return Sharded(wrapped, optimizer_for(wrapped, train), dp_rank, case)

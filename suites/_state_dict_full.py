@@ -206,6 +206,21 @@ def side_effect_on_rank(ctx: RankContext, case: StateDictCase) -> tuple[FullStat
     )
 
 
+def hyperparameters_on_rank(
+    ctx: RankContext, case: StateDictCase
+) -> tuple[list[dict[str, Any]], ...]:
+    """Each parameter group's hyper-parameters before and after taking the optimizer state
+    dict, once before the first step and once after ``case.train.steps`` steps."""
+    sharded = build(ctx, case)
+    snapshots = []
+    for first, stop in ((0, 0), (0, case.train.steps)):
+        sharded.train(ctx, first, stop)
+        snapshots.append(full_state(sharded.model, sharded.optimizer).groups)
+        get_optimizer_state_dict(sharded.model, sharded.optimizer)
+        snapshots.append(full_state(sharded.model, sharded.optimizer).groups)
+    return tuple(snapshots)
+
+
 # --- HSDP groups and sharded save/load ------------------------------------------------------
 
 

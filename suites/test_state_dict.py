@@ -288,6 +288,27 @@ def test_taking_the_optimizer_state_dict_leaves_training_alone(
         assert_same_state(taken, plain, what=what, call=case.call())
 
 
+@pytest.mark.spec("state_dict.optim.get_keeps_hyperparameters")
+@PROPERTY
+@given(data=st.data())
+def test_taking_the_optimizer_state_dict_keeps_every_groups_hyperparameters(
+    world: World, data: st.DataObject
+) -> None:
+    case = data.draw(state_dict_cases(world.world_size, steps=(1, 2)), label="case")
+    for rank, snapshots in enumerate(world.run(full.hyperparameters_on_rank, case)):
+        before_first, after_first, before_later, after_later = snapshots
+        for when, before, after in (
+            ("before the first step", before_first, after_first),
+            (f"after {case.train.steps} step(s)", before_later, after_later),
+        ):
+            assert_equal_values(
+                after,
+                before,
+                what=f"parameter groups after get_optimizer_state_dict {when}, rank {rank}",
+                call=case.call(),
+            )
+
+
 @pytest.mark.spec("state_dict.hsdp.save_load")
 @PROPERTY
 @given(data=st.data())
