@@ -298,6 +298,12 @@ def test_nothing_failing_means_the_fault_survived():
     assert not result.caught and result.seconds_to_detect is None
 
 
+def test_fault_runs_take_one_rank_last():
+    assert mutate.detection_order("1,2,3,4") == "2,3,4,1"
+    assert mutate.detection_order("4,1,2") == "4,2,1"
+    assert mutate.detection_order("1") == "1"
+
+
 def test_suites_of_the_faults_area_run_first_on_their_own():
     specs = catalogue.load()
     available = sorted({s.suite for s in specs.values()})
