@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -56,6 +57,16 @@ def dcp_load_on_rank(ctx: RankContext, case: StateDictCase, directory: str) -> F
     sharded = build(ctx, case, fresh=True)
     load(sharded, directory)
     return full_state(sharded.model, sharded.optimizer)
+
+
+def dcp_load_error_on_rank(ctx: RankContext, case: StateDictCase, directory: str) -> str | None:
+    """Load ``directory`` into a fresh model and optimizer; what the load raised, if anything."""
+    sharded = build(ctx, case, fresh=True)
+    try:
+        load(sharded, directory)
+    except (Exception, CheckpointException) as exc:  # a BaseException, wrapping every rank's
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 # --- resume --------------------------------------------------------------------------------

@@ -440,6 +440,31 @@ def test_dcp_checkpoint_loads_at_another_world_size(
         assert_same_state(state, saved[0], what=what, call=call)
 
 
+@pytest.mark.spec("state_dict.dcp.missing_key_refused")
+@PROPERTY
+@given(data=st.data())
+def test_dcp_load_refuses_a_checkpoint_without_a_key(
+    world: World, worlds: Worlds, data: st.DataObject
+) -> None:
+    layouts = ("fsdp", "hsdp")  # a TP plan names the layers it shards
+    case = data.draw(reshard_cases(world.world_size, worlds.sizes, layouts=layouts), label="case")
+    # The loading model has one more layer than the saved one: its keys are missing.
+    dims = case.load.train.dims
+    grown = replace(case.load, train=replace(case.load.train, dims=(*dims, dims[-1])))
+    missing = f"model.{2 * (len(dims) - 1)}.weight"  # Linear, ReLU, Linear, ...: the new Linear
+    loading = worlds.get(math.prod(grown.train.mesh_shape))
+    with _checkpoints() as root:
+        world.run(dcp.dcp_save_on_rank, case.save, root)
+        errors = loading.run(dcp.dcp_load_error_on_rank, grown, root)
+    for rank, error in enumerate(errors):
+        if error is None or missing not in error:
+            raise AssertionError(
+                f"rank {rank} of {loading.world_size}: got {error!r}, should be an error naming "
+                f"the missing key {missing!r} (a model with {len(dims)} layers loading a "
+                f"checkpoint of {len(dims) - 1}) [{case.call()}]"
+            )
+
+
 @pytest.mark.spec("state_dict.resume.equivalence")
 @PROPERTY
 @given(data=st.data())
