@@ -238,6 +238,8 @@ class ParityCase:
     gradients accumulated without a gradient sync until the last one."""
     clip_norm: float | None = None
     """``clip_grad_norm_`` of all parameters to this total norm before each step."""
+    clip_norm_type: float = 2.0
+    """The norm ``clip_grad_norm_`` measures (2, 1 or inf)."""
     wrapper_options: tuple[tuple[str, Any], ...] = ()
     """Keyword arguments of the DDP constructor (ddp, zero) or of every ``fully_shard``."""
 
@@ -259,7 +261,11 @@ class ParityCase:
     def call(self) -> str:
         precision = ", bf16 params/fp32 reduce" if self.mixed_precision else ""
         micro = f" in {self.micro_batches} micro-batches" if self.micro_batches > 1 else ""
-        clip = f", clip_grad_norm_({self.clip_norm})" if self.clip_norm is not None else ""
+        clip = (
+            f", clip_grad_norm_({self.clip_norm}, norm_type={self.clip_norm_type})"
+            if self.clip_norm is not None
+            else ""
+        )
         options = ", ".join(f"{k}={v}" for k, v in self.wrapper_options)
         return (
             f"{self.layout}({options}{', ' if options else ''}mesh={self.mesh_shape}) "

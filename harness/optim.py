@@ -108,7 +108,9 @@ def reference_run(case: ParityCase) -> Trained:
             loss.backward()  # type: ignore[no-untyped-call]
             losses.append(loss.item())
         if case.clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip_norm)
+            torch.nn.utils.clip_grad_norm_(
+                model.parameters(), case.clip_norm, norm_type=case.clip_norm_type
+            )
         optimizer.step()
         if scheduler is not None:
             scheduler.step()

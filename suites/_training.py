@@ -102,7 +102,9 @@ def train_step(
             loss.backward()
         total += loss.item()
     if case.clip_norm is not None:
-        torch.nn.utils.clip_grad_norm_(wrapped.parameters(), case.clip_norm)
+        torch.nn.utils.clip_grad_norm_(
+            wrapped.parameters(), case.clip_norm, norm_type=case.clip_norm_type
+        )
     optimizer.step()
     return total
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -88,6 +91,21 @@ def test_mixed_precision_matches_its_one_device_emulation(
     # value by an ulp or two (measured: at most 2 ulps after 3 steps). Pure float32 compute,
     # the defect this guards against, is ~1e-3 away.
     assert_trained_like(reference, trained, case, rtol=2e-6, atol=1e-8, why=MIXED_WHY)
+
+
+@pytest.mark.spec("optim.fsdp.clip_inf_norm_empty_shard")
+@pytest.mark.world_size(min=2)
+@PROPERTY
+@given(data=st.data())
+def test_clip_inf_norm_with_an_empty_shard(world: World, data: st.DataObject) -> None:
+    case = data.draw(
+        parity_cases(world.world_size, layout="fsdp", unsupported=DTENSOR_UNSUPPORTED),
+        label="case",
+    )
+    # world size - 1 output features over world size ranks: the last rank holds no row
+    dims = (*case.dims[:-1], world.world_size - 1)
+    case = replace(case, dims=dims, clip_norm=1.0, clip_norm_type=math.inf)
+    _check(world, case)
 
 
 @pytest.mark.spec("optim.hsdp.parity")

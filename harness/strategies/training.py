@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import cache
 from typing import Any
@@ -32,6 +33,7 @@ from harness.strategies._common import (
     takes_world_size,
 )
 from harness.strategies.placements import placements
+from specs.chunking import shard_sizes
 
 
 @takes_world_size
@@ -138,8 +140,9 @@ def parity_cases(
     hsdp_tp (replicate, shard, tp), tp > 1 where the world size allows, and a hidden size
     the TP degree divides (torch 2.13 fails otherwise: spec tp.mlp.uneven_hidden checks
     that separately). ``variants=True`` also draws 1 or 2 micro-batches per step
-    (gradients accumulated without sync until the last), a ``clip_grad_norm_`` bound and
-    wrapper options (DDP bucketing; ``fully_shard``'s ``reshard_after_forward``).
+    (gradients accumulated without sync until the last), a ``clip_grad_norm_`` bound of the
+    2-, 1- or inf-norm and wrapper options (DDP bucketing; ``fully_shard``'s
+    ``reshard_after_forward``).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}")
@@ -177,6 +180,9 @@ def _parity_cases(
     dtype = "float32" if mixed_precision else draw(sampled(("float64", "float32")))
     micro_batches = draw(sampled((1, 2))) if variants else 1
     clip_norm = draw(sampled((None, 1.0, 0.05))) if variants else None
+    clip_norm_type = 2.0
+    if clip_norm is not None:
+        clip_norm_type = draw(sampled(_clip_norm_types(layout, mesh, tuple(dims))))
     wrapper_options = _wrapper_options(draw, layout) if variants else ()
     return ParityCase(
         layout=layout,
@@ -191,8 +197,26 @@ def _parity_cases(
         seed=draw(seeds()),
         micro_batches=micro_batches,
         clip_norm=clip_norm,
+        clip_norm_type=clip_norm_type,
         wrapper_options=wrapper_options,
     )
+
+
+def _clip_norm_types(
+    layout: str, mesh: tuple[int, ...], dims: tuple[int, ...]
+) -> tuple[float, ...]:
+    """The norms ``clip_grad_norm_`` may measure: the inf-norm only where no rank's piece of
+    a gradient is empty, which torch 2.13 cannot take the maximum of (spec
+    optim.fsdp.clip_inf_norm_empty_shard checks that on its own). fully_shard splits dim 0
+    (the output features) over the shard axis; TP layouts' pieces are not modelled here."""
+    if layout in ("ddp", "zero"):
+        return (2.0, 1.0, math.inf)
+    if layout in TP_LAYOUTS:
+        return (2.0, 1.0)
+    shard = mesh[-1]
+    if any(0 in shard_sizes(d, shard) for d in dims[1:]):
+        return (2.0, 1.0)
+    return (2.0, 1.0, math.inf)
 
 
 def _wrapper_options(draw: st.DrawFn, layout: str) -> tuple[tuple[str, Any], ...]:
