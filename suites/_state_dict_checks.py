@@ -73,7 +73,7 @@ class Sharded:
         ]
 
 
-def _other_hyperparameters(train: ParityCase) -> OptimConfig:
+def other_hyperparameters(train: ParityCase) -> OptimConfig:
     """The case's optimizer with another lr and weight decay in every parameter group."""
     optim = train.optim
 
@@ -96,7 +96,7 @@ def build(ctx: RankContext, case: StateDictCase, *, fresh: bool = False) -> Shar
     overwrite)."""
     train = case.train
     if fresh:
-        train = replace(train, seed=(train.seed + 1) % 2**32, optim=_other_hyperparameters(train))
+        train = replace(train, seed=(train.seed + 1) % 2**32, optim=other_hyperparameters(train))
     model = build_mlp(train, ctx.device)
     wrapped, dp_rank = parallelize(model, train, ctx, **fsdp_options(case))
     return Sharded(wrapped, optimizer_for(wrapped, train), dp_rank, case)

@@ -20,11 +20,20 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from harness.cases import StateDictCase
+from harness.cases import ParityCase, StateDictCase
 from harness.context import RankContext
 from harness.dtensor import to_numpy, torch_dtype
 from harness.models import build_mlp
-from suites._state_dict_checks import FullState, Sharded, _full, build, full_state, next_step
+from suites._state_dict_checks import (
+    FullState,
+    Sharded,
+    _full,
+    build,
+    full_state,
+    next_step,
+    other_hyperparameters,
+)
+from suites._training import optimizer_for, parallelize, train_step
 
 FULL = StateDictOptions(full_state_dict=True)
 FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -219,6 +228,46 @@ def hyperparameters_on_rank(
         get_optimizer_state_dict(sharded.model, sharded.optimizer)
         snapshots.append(full_state(sharded.model, sharded.optimizer).groups)
     return tuple(snapshots)
+
+
+@dataclass(frozen=True)
+class WrappedStateView:
+    """``get_state_dict`` of a trained DDP model and its optimizer: the keys, and the state
+    (by the unwrapped names) of the model and of a fresh one ``set_state_dict`` loaded."""
+
+    model_keys: list[str]
+    optim_keys: list[str]
+    group_params: list[list[str]]
+    states: tuple[FullState, FullState]
+
+
+def ddp_state_dict_on_rank(ctx: RankContext, case: ParityCase) -> WrappedStateView:
+    runs = []
+    for fresh in (False, True):
+        train = case
+        if fresh:
+            optim = other_hyperparameters(case)
+            train = replace(case, seed=(case.seed + 1) % 2**32, optim=optim)
+        model = build_mlp(train, ctx.device)
+        wrapped, _ = parallelize(model, train, ctx)
+        runs.append((model, wrapped, optimizer_for(model, train)))
+    (model, wrapped, optimizer), (fresh_model, fresh_wrapped, fresh_optimizer) = runs
+    for step in range(case.steps):
+        train_step(wrapped, optimizer, case, ctx.rank, step, ctx.device)
+    model_sd, optim_sd_typed = get_state_dict(wrapped, optimizer)
+    optim_sd: Any = optim_sd_typed
+    set_state_dict(
+        fresh_wrapped,
+        fresh_optimizer,
+        model_state_dict=copied(model_sd),
+        optim_state_dict=copied(optim_sd),
+    )
+    return WrappedStateView(
+        model_keys=list(model_sd),
+        optim_keys=list(optim_sd["state"]),
+        group_params=[list(g["params"]) for g in optim_sd["param_groups"]],
+        states=(full_state(model, optimizer), full_state(fresh_model, fresh_optimizer)),
+    )
 
 
 # --- HSDP groups and sharded save/load ------------------------------------------------------

@@ -34,6 +34,7 @@ from harness.strategies.state_dict import (
     strided_meshes,
     uneven_strided_cases,
 )
+from harness.strategies.training import optim_configs, parity_cases
 from specs import resume
 from suites import _state_dict_checks as checks
 from suites import _state_dict_dcp as dcp
@@ -269,6 +270,32 @@ def test_optimizer_state_dict_is_keyed_by_name_and_loads(world: World, data: st.
         assert_same_state(loaded, original, what=what, call=call)
         what += " after the next step"
         assert_same_state(loaded_next, original_next, what=what, call=call)
+
+
+@pytest.mark.spec("state_dict.ddp.canonical_fqns")
+@PROPERTY
+@given(data=st.data())
+def test_ddp_state_dicts_are_keyed_by_the_unwrapped_names(
+    world: World, data: st.DataObject
+) -> None:
+    train = data.draw(parity_cases(world.world_size, layout="ddp"), label="case")
+    optim = data.draw(optim_configs(stateful=True, groups=True), label="optim")
+    case = replace(train, optim=replace(optim, scheduler=None), steps=max(train.steps, 1))
+    model = build_mlp(case, torch.device("cpu"))
+    names = [n for n, _ in model.named_parameters()]
+    ids = {id(p): n for n, p in model.named_parameters()}
+    groups = [[ids[id(p)] for p in g["params"]] for g in param_groups(model, case.optim)]
+    call = f"DDP {case.call()}"
+    for rank, view in enumerate(world.run(full.ddp_state_dict_on_rank, case)):
+        for what, got, want in (
+            ("model state dict keys", view.model_keys, names),
+            ("optimizer state keys", view.optim_keys, names),
+            ("optimizer groups' parameters", view.group_params, groups),
+        ):
+            assert_equal_values(got, want, what=f"{what} on rank {rank}", call=call)
+        original, loaded = view.states
+        what = f"the fresh DDP model and optimizer set_state_dict loaded, rank {rank}"
+        assert_same_state(loaded, original, what=what, call=call)
 
 
 @pytest.mark.spec("state_dict.optim.get_has_no_side_effect")
