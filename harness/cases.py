@@ -236,6 +236,8 @@ class ParityCase:
     micro_batches: int = 1
     """Each data-parallel rank's rows of a step split into this many equal micro-batches,
     gradients accumulated without a gradient sync until the last one."""
+    sync_each_micro_batch: bool = False
+    """Sync (reduce) the gradients after every micro-batch, accumulating the reduced ones."""
     clip_norm: float | None = None
     """``clip_grad_norm_`` of all parameters to this total norm before each step."""
     clip_norm_type: float = 2.0
@@ -260,7 +262,8 @@ class ParityCase:
 
     def call(self) -> str:
         precision = ", bf16 params/fp32 reduce" if self.mixed_precision else ""
-        micro = f" in {self.micro_batches} micro-batches" if self.micro_batches > 1 else ""
+        synced = ", each synced" if self.sync_each_micro_batch else ""
+        micro = f" in {self.micro_batches} micro-batches{synced}" if self.micro_batches > 1 else ""
         clip = (
             f", clip_grad_norm_({self.clip_norm}, norm_type={self.clip_norm_type})"
             if self.clip_norm is not None

@@ -85,15 +85,16 @@ def train_step(
     device: torch.device,
 ) -> float:
     """One optimizer step on this data-parallel rank's rows of batch ``step``, in
-    ``case.micro_batches`` parts (the gradient sync only on the last), clipped to
-    ``case.clip_norm`` when set; its loss (the mean over its rows)."""
+    ``case.micro_batches`` parts (the gradient sync only on the last, or on each if
+    ``case.sync_each_micro_batch``), clipped to ``case.clip_norm`` when set; its loss (the
+    mean over its rows)."""
     inputs, targets = step_batch(case, step)
     rows = rows_of(case, dp_rank)
     optimizer.zero_grad()
     total = 0.0
     parts = np.array_split(np.arange(rows.start, rows.stop), case.micro_batches)
     for number, part in enumerate(parts):
-        with _gradient_sync(wrapped, number == len(parts) - 1):
+        with _gradient_sync(wrapped, case.sync_each_micro_batch or number == len(parts) - 1):
             # equal parts: the mean of the parts' means is the mean over the rows
             loss = loss_of(
                 wrapped(tensor_from(inputs[part], case.dtype, device)),

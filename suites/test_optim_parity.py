@@ -25,8 +25,10 @@ PROPERTY = settings(deadline=None)
 # matmuls into partial sums. Same terms, another order of floating-point additions: a few
 # ulps per step (measured: float64 within 3e-14, float32 within 3e-6 over 5 Adam steps),
 # far below a real defect (a wrong scale, a missing shard or a stale state moves values by
-# whole percent).
-TOLERANCE = {"float64": (1e-10, 1e-12), "float32": (1e-4, 1e-6)}  # (rtol, atol)
+# whole percent). float32 Adam divides each gradient element by its own magnitude (+eps):
+# an element the clipping made tiny turns an ulp of its gradient into up to 1.2e-4 of the
+# step (measured, fsdp_tp, clip 0.05), hence 1e-3.
+TOLERANCE = {"float64": (1e-10, 1e-12), "float32": (1e-3, 1e-6)}  # (rtol, atol)
 WHY = "per-rank gradients are averaged in another order than one global mean"
 
 MIXED_WHY = "float32 rounding of the average and of vectorised kernels differs by ulps"

@@ -140,9 +140,9 @@ def parity_cases(
     hsdp_tp (replicate, shard, tp), tp > 1 where the world size allows, and a hidden size
     the TP degree divides (torch 2.13 fails otherwise: spec tp.mlp.uneven_hidden checks
     that separately). ``variants=True`` also draws 1 or 2 micro-batches per step
-    (gradients accumulated without sync until the last), a ``clip_grad_norm_`` bound of the
-    2-, 1- or inf-norm and wrapper options (DDP bucketing; ``fully_shard``'s
-    ``reshard_after_forward``).
+    (gradients accumulated without sync until the last, or synced after each), a
+    ``clip_grad_norm_`` bound of the 2-, 1- or inf-norm and wrapper options (DDP bucketing;
+    ``fully_shard``'s ``reshard_after_forward``).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}")
@@ -179,6 +179,7 @@ def _parity_cases(
         dims[1] = tp * draw(st.integers(1, 3))
     dtype = "float32" if mixed_precision else draw(sampled(("float64", "float32")))
     micro_batches = draw(sampled((1, 2))) if variants else 1
+    sync_each = micro_batches > 1 and draw(st.booleans())
     clip_norm = draw(sampled((None, 1.0, 0.05))) if variants else None
     clip_norm_type = 2.0
     if clip_norm is not None:
@@ -196,6 +197,7 @@ def _parity_cases(
         mixed_precision=mixed_precision,
         seed=draw(seeds()),
         micro_batches=micro_batches,
+        sync_each_micro_batch=sync_each,
         clip_norm=clip_norm,
         clip_norm_type=clip_norm_type,
         wrapper_options=wrapper_options,
