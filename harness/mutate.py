@@ -160,14 +160,23 @@ def clean_run(config: RunConfig, out: Path, suites: Sequence[str]) -> dict[str, 
 
 
 def fault_run(
-    fault: faults.Fault, config: RunConfig, out: Path, phases: Sequence[Sequence[str]]
+    fault: faults.Fault,
+    config: RunConfig,
+    out: Path,
+    phases: Sequence[Sequence[str]],
+    *,
+    cheap_first: Path | None = None,
 ) -> FaultResult:
     """Run each phase's suites with ``fault`` injected, stopping at the first failure.
 
     The fault's area suites go first in a run of their own: within one run the plugin takes
     every suite at a world size before the next size, and most faults only show from world
-    size 2 on, so one run of all suites would pass through every suite at size 1 first."""
+    size 2 on, so one run of all suites would pass through every suite at size 1 first.
+    ``cheap_first``: the clean run's results, so that within a world size the tests it
+    timed fastest go first."""
     extra: tuple[str, ...] = (f"--distconf-faults={fault.id}", "--exitfirst")
+    if cheap_first is not None:
+        extra += (f"--distconf-cheap-first={cheap_first}",)
     if config.fault_files:
         extra += (f"--distconf-fault-files={','.join(config.fault_files)}",)
     result = _uncaught(fault)
@@ -224,7 +233,7 @@ def mutate(
     specs = catalogue.load()
     available = list(config.suites) or sorted({s.suite for s in specs.values()})
     mutation = Mutation(config={**asdict(config), "faults": [f.id for f in selected], "jobs": jobs})
-    out.mkdir(parents=True, exist_ok=True)
+    (out / "clean").mkdir(parents=True, exist_ok=True)
     table = out / "mutation.json"
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         clean_parts = [
@@ -237,7 +246,9 @@ def mutate(
                 result.problem = "not run: a clean suite run failed before this fault's run"
                 return result
             phases = suite_phases(fault.area, available, specs)
-            return fault_run(fault, config, out / "faults" / fault.id, phases)
+            return fault_run(
+                fault, config, out / "faults" / fault.id, phases, cheap_first=out / "clean"
+            )
 
         for result in pool.map(one, selected):
             mutation.results.append(result)

@@ -108,6 +108,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     _parsers.append(parser)
     _accept_gpu_workers(parser)
+    group.addoption(
+        "--distconf-cheap-first",
+        dest="distconf_cheap_first",
+        default=None,
+        help="results files or directories of an earlier run (comma-separated): within each "
+        "world size, run the tests it timed fastest first (tests it did not time keep their "
+        "place after them); with --exitfirst a failing run fails sooner",
+    )
     parser.addini("distconf_catalogue", "path of the spec catalogue", default=None)
     parser.addini("distconf_suites", "directory holding the conformance suites", default=None)
     parser.addini(
@@ -193,6 +201,9 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     _validate_options(config)
     _inject_faults(config)
+    sources = config.getoption("distconf_cheap_first")
+    if sources:
+        config.pluginmanager.register(_CheapFirst(_durations(sources)), "distconf-cheap-first")
 
 
 def _inject_faults(config: pytest.Config) -> None:
@@ -485,6 +496,44 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         )
     except expectations.ExpectationError as exc:
         raise pytest.UsageError(f"distconf: {exc}") from None
+
+
+class _CheapFirst:
+    """``--distconf-cheap-first``: within each World (pytest keeps the tests of a
+    session-scoped World together), the tests an earlier run timed fastest go first."""
+
+    def __init__(self, durations: dict[str, float]) -> None:
+        self.durations = durations
+
+    @pytest.hookimpl(trylast=True)  # after pytest grouped the items by World
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        world_order = {key: i for i, key in enumerate(dict.fromkeys(map(world_key, items)))}
+        position = {id(item): i for i, item in enumerate(items)}
+        items.sort(
+            key=lambda item: (
+                world_order[world_key(item)],
+                self.durations.get(item.nodeid, float("inf")),
+                position[id(item)],
+            )
+        )
+
+
+def _durations(sources: str) -> dict[str, float]:
+    from harness.results import read_results
+
+    paths: list[Path] = []
+    for source in filter(None, sources.split(",")):
+        path = Path(source)
+        if not path.exists():
+            raise pytest.UsageError(
+                f"--distconf-cheap-first={source!r}: no such results file or directory"
+            )
+        paths += sorted(path.glob("**/results*.jsonl")) if path.is_dir() else [path]
+    return {
+        record["nodeid"]: float(record.get("duration") or 0.0)
+        for path in paths
+        for record in read_results(path).tests
+    }
 
 
 def _expectations_dir(config: pytest.Config) -> Path:

@@ -366,7 +366,7 @@ def _fake_runs(monkeypatch, failing_suites=()):
             "results": str(out),
         }
 
-    def fault_run(fault, config, out, suites):
+    def fault_run(fault, config, out, suites, *, cheap_first=None):
         ran.append(f"fault:{fault.id}")
         result = mutate._uncaught(fault)
         result.caught = True

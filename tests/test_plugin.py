@@ -93,6 +93,41 @@ def test_world_fixture_runs_each_test_at_every_world_size(project):
     assert all(r["examples"] >= 1 for r in tests if r["spec"] == "demo.sum")
 
 
+def test_cheap_first_runs_an_earlier_runs_fastest_tests_first_within_each_world(project):
+    _suite(project, GOOD_SUITE)
+    earlier = project.path / "earlier" / "results.jsonl"
+    earlier.parent.mkdir()
+    timed = {
+        "conformance/test_demo.py::test_sum[threads-ws2-cpu]": 9.0,
+        "conformance/test_demo.py::test_rank[threads-ws2-cpu]": 1.0,
+    }
+    earlier.write_text(
+        "".join(
+            json.dumps({"kind": "test", "nodeid": n, "status": "passed", "duration": d}) + "\n"
+            for n, d in timed.items()
+        )
+    )
+    run = project.runpytest_subprocess(
+        "-p",
+        "no:cacheprovider",
+        "--world-sizes=2,3",
+        f"--distconf-cheap-first={earlier.parent}",
+        "-v",
+    )
+    run.assert_outcomes(passed=4)
+    run.stdout.fnmatch_lines(
+        [
+            "*test_rank?threads-ws2-cpu? PASSED*",
+            "*test_sum?threads-ws2-cpu? PASSED*",
+            "*test_sum?threads-ws3-cpu? PASSED*",  # untimed: in place, after the timed ones
+            "*test_rank?threads-ws3-cpu? PASSED*",
+        ]
+    )
+    missing = project.runpytest_subprocess("-p", "no:cacheprovider", "--distconf-cheap-first=nope")
+    assert missing.ret == pytest.ExitCode.USAGE_ERROR
+    missing.stderr.fnmatch_lines(["*--distconf-cheap-first='nope': no such results file*"])
+
+
 def test_world_size_marker_without_a_match_skips_visibly(project):
     _suite(project, GOOD_SUITE)
     run = project.runpytest_subprocess("-p", "no:cacheprovider", "--world-sizes=4", "-rs")
