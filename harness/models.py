@@ -60,6 +60,32 @@ def build_mlp(case: MLPShape, device: torch.device) -> nn.Sequential:
     return model
 
 
+class Centering(nn.Module):
+    """Subtracts a running mean of its inputs (a buffer updated by every training forward,
+    as BatchNorm's running statistics are)."""
+
+    center: torch.Tensor
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.register_buffer("center", torch.zeros(features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x - self.center
+        if self.training:
+            with torch.no_grad():
+                self.center.mul_(0.75).add_(x.mean(0), alpha=0.25)
+        return out
+
+
+def build_centered_mlp(case: MLPShape, device: torch.device) -> nn.Sequential:
+    """``Centering`` before the layers of ``build_mlp``: an MLP with a running buffer."""
+    mlp = build_mlp(case, device)
+    centering = Centering(case.dims[0]).to(device=device, dtype=torch_dtype(case.dtype))
+    seeded_init_(centering, case.seed + 1)
+    return nn.Sequential(centering, *mlp)
+
+
 def global_batch(case: MLPCase, world_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Inputs and targets of the whole batch; rank ``r`` trains on rows ``r*b:(r+1)*b``."""
     rng = np.random.default_rng(case.seed + 1)

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from harness.cases import TP_LAYOUTS, ParityCase
 from harness.context import RankContext
 from harness.dtensor import tensor_from, to_numpy
-from harness.models import build_mlp
+from harness.models import Centering, build_centered_mlp, build_mlp
 from harness.optim import (
     Trained,
     build_optimizer,
@@ -287,3 +287,20 @@ def _assert_same_params(
             call=call,
             record_as=f"param/{case.dtype}",
         )
+
+
+def ddp_forward_buffers_on_rank(ctx: RankContext, case: ParityCase) -> list[np.ndarray]:
+    """Train ``case.steps`` steps of a centered MLP under DistributedDataParallel (each rank
+    starting from buffers of its own); the running buffer at the start of every forward."""
+    model = build_centered_mlp(case, ctx.device)
+    centering = model[0]
+    assert isinstance(centering, Centering)
+    with torch.no_grad():
+        centering.center.add_(ctx.rank)
+    wrapped, dp_rank = parallelize(model, case, ctx)
+    seen: list[np.ndarray] = []
+    model.register_forward_pre_hook(lambda module, args: seen.append(to_numpy(centering.center)))
+    optimizer = optimizer_for(model, case)
+    for step in range(case.steps):
+        train_step(wrapped, optimizer, case, dp_rank, step, ctx.device)
+    return seen

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from harness import World, parity
 from harness.cases import ParityCase
 from harness.optim import describe_reference, reference_run
-from harness.parity import assert_close
+from harness.parity import assert_array_equal, assert_close
 from harness.strategies.training import optim_configs, parity_cases, step_cases
 from suites._optim_steps import step_model, step_on_rank
-from suites._training import assert_trained_like, train_on_rank
+from suites._training import assert_trained_like, ddp_forward_buffers_on_rank, train_on_rank
 
 # World.run enforces its own deadline; hypothesis' per-example deadline would misfire.
 PROPERTY = settings(deadline=None)
@@ -166,6 +166,23 @@ def test_hsdp_tp_training_matches_one_device(world: World, data: st.DataObject) 
 def test_ddp_training_matches_one_device(world: World, data: st.DataObject) -> None:
     case = data.draw(parity_cases(world.world_size, layout="ddp", variants=True), label="case")
     _check(world, case)
+
+
+@pytest.mark.spec("optim.ddp.broadcast_buffers")
+@PROPERTY
+@given(data=st.data())
+def test_ddp_forwards_start_from_rank0s_buffers(world: World, data: st.DataObject) -> None:
+    case = data.draw(parity_cases(world.world_size, layout="ddp", variants=True), label="case")
+    case = replace(case, micro_batches=1, sync_each_micro_batch=False)  # no_sync skips it
+    seen = world.run(ddp_forward_buffers_on_rank, case)
+    for rank, buffers in enumerate(seen):
+        for step, (got, want) in enumerate(zip(buffers, seen[0], strict=True)):
+            assert_array_equal(  # a broadcast copies bits
+                got,
+                want,
+                what=f"running buffer at the start of forward {step} on rank {rank} (rank 0's)",
+                call=f"DDP {case.call()}",
+            )
 
 
 @pytest.mark.spec("optim.zero.parity")
