@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 import pytest
@@ -128,6 +129,28 @@ def test_every_rank_stuck_still_returns_at_the_deadline():
         assert set(info.value.statuses.values()) == {"timeout"}
         assert info.value.primary.rank == 0
         assert world.run(_rank) == [0, 1, 2, 3]
+
+
+def _spins_on_rank_1(ctx):
+    if ctx.rank == 1:
+        while True:  # pure Python, never sleeping: holds the GIL whenever it can
+            pass
+
+
+def test_a_rank_spinning_in_python_is_stopped_after_its_deadline():
+    earlier = set(threading.enumerate())  # other tests' ranks stuck in C code stay stuck
+    with open_world("threads", world_size=2, timeout=0.5) as world:
+        with pytest.raises(RankFailure) as info:
+            world.run(_spins_on_rank_1)
+        assert info.value.statuses[1] == "timeout"
+        spinning = [
+            t for t in threading.enumerate() if t not in earlier and t.name.endswith("-rank1")
+        ]
+        deadline = time.monotonic() + 10
+        while any(t.is_alive() for t in spinning) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(t.is_alive() for t in spinning), "the spinning rank thread still runs"
+        assert world.run(_rank) == [0, 1]
 
 
 def _skips_everywhere(ctx):

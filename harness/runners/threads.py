@@ -4,13 +4,17 @@ One *generation* is a set of daemon rank threads that initialised the process gr
 and then serve calls from their inboxes. A World keeps its generation across calls and
 replaces it after any call that did not succeed on every rank: a rank that failed or was
 released may have left per-thread state (process groups, meshes, dispatch modes) out of step
-with its peers, and starting a generation costs milliseconds. A rank stuck forever is left
-behind as a daemon thread; its generation's Domain is separate from its successor's, so it
-can never join their collectives.
+with its peers, and starting a generation costs milliseconds. A rank that overran its
+deadline outside any collective gets ``RankAbandoned`` raised in it (a thread cannot be
+killed, but one running Python code, an endless loop in a sharding rule say, unwinds at its
+next instruction instead of spinning for the rest of the session); one stuck in C code is
+left behind as a daemon thread. Its generation's Domain is separate from its successor's,
+so it can never join their collectives.
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import queue
 import sys
@@ -108,6 +112,7 @@ class _Generation:
             reported[rank] = self._stuck_outcome(rank)
             if reported[rank].status == "timeout":
                 self.stuck.add(rank)
+                _interrupt(self.threads[rank])
         if missing:
             self.domain.abort("the call's deadline expired")
         return [reported[r] for r in range(self.world_size)], bool(missing)
@@ -272,6 +277,20 @@ class ThreadWorld:
 
 # Rank threads that never came back from a call; a thread cannot be killed, only left.
 _abandoned: list[threading.Thread] = []
+
+
+class RankAbandoned(BaseException):
+    """Raised inside a rank thread that overran its call's deadline, to unwind it (a
+    ``BaseException``: ``except Exception`` in the code under test must not swallow it)."""
+
+
+def _interrupt(thread: threading.Thread) -> None:
+    """Raise ``RankAbandoned`` in ``thread`` at its next Python instruction; a thread blocked
+    in C code sees it only if it ever returns to Python."""
+    if thread.ident is not None:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+            ctypes.c_ulong(thread.ident), ctypes.py_object(RankAbandoned)
+        )
 
 
 def _refuse_past_stuck_limit() -> None:
