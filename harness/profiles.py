@@ -21,3 +21,14 @@ SEEDED = ("report",)
 settings.register_profile("dev", max_examples=10, deadline=None)
 settings.register_profile("nightly", max_examples=1000, deadline=None)
 settings.register_profile("report", max_examples=200, database=None, deadline=None)
+
+
+def costly(cost: int) -> settings:
+    """Settings for a property whose examples cost about ``cost`` times a placement
+    example's: the loaded profile's example budget buys ``1/cost`` of the examples (at least
+    2), so a profile bounds the time of a run rather than its example count. No per-example
+    deadline: World.run enforces its own (the first example of a World builds it)."""
+    if not (isinstance(cost, int) and cost >= 1):
+        raise ValueError(f"cost={cost!r} must be an int >= 1")
+    budget = settings.default.max_examples if settings.default else 100
+    return settings(deadline=None, max_examples=max(2, budget // cost))

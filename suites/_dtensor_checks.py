@@ -53,6 +53,10 @@ def op_on_rank(ctx: RankContext, case: OpCase) -> list[DTensorView]:
     ]
 
 
+def ops_on_rank(ctx: RankContext, cases: Sequence[OpCase]) -> list[list[DTensorView]]:
+    return [op_on_rank(ctx, case) for case in cases]
+
+
 def op_on_one_device(case: OpCase, device: str) -> list[np.ndarray]:
     """The reference: the same ops on the global tensor, on one device."""
     tensor = tensor_from(case.source.global_array(), case.source.dtype, torch.device(device))

@@ -35,6 +35,7 @@ from suites._dtensor_checks import (
     distribute_on_rank,
     op_on_one_device,
     op_on_rank,
+    ops_on_rank,
     redistribute_error_on_rank,
     redistribute_on_rank,
     reshape_on_rank,
@@ -167,12 +168,12 @@ OP_WHY = "sharded reductions add the same terms in another order"
 @PROPERTY
 @given(data=st.data())
 def test_ops_on_dtensors_match_one_device(world: World, data: st.DataObject) -> None:
-    case = data.draw(op_cases(world.world_size), label="case")
-    expected = op_on_one_device(case, world.device)
-    results = world.run(op_on_rank, case)
-    for index, want in enumerate(expected):
-        for views in results:
-            _assert_op_result(views[index], want, case, index)
+    cases = data.draw(op_cases(world.world_size), label="cases")
+    results = world.run(ops_on_rank, cases)
+    for number, case in enumerate(cases):
+        for index, want in enumerate(op_on_one_device(case, world.device)):
+            for per_rank in results:
+                _assert_op_result(per_rank[number][index], want, case, index)
 
 
 def _assert_op_result(view: DTensorView, expected: np.ndarray, case: OpCase, index: int) -> None:

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from harness import World, Worlds
@@ -27,6 +27,7 @@ from harness.dtensor import to_numpy
 from harness.models import build_mlp
 from harness.optim import param_groups
 from harness.parity import assert_array_equal, assert_equal_values
+from harness.profiles import costly
 from harness.strategies.state_dict import (
     reshard_cases,
     resume_cases,
@@ -41,11 +42,9 @@ from suites import _state_dict_dcp as dcp
 from suites import _state_dict_full as full
 from suites._state_dict_checks import assert_same_state
 
-# World.run enforces its own deadline; hypothesis' per-example deadline would misfire. Each
-# example builds, trains and reloads sharded models (and some write checkpoints): about ten
-# times the cost of a placement example, so a profile's budget buys a tenth of the examples.
-EXAMPLES = max(2, (settings.default.max_examples if settings.default else 100) // 10)
-PROPERTY = settings(deadline=None, max_examples=EXAMPLES)
+# Each example builds, trains and reloads sharded models (and some write checkpoints):
+# about ten times the cost of a placement example.
+PROPERTY = costly(10)
 
 
 def _reference_keys(case: StateDictCase) -> list[str]:

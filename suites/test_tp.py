@@ -21,6 +21,7 @@ from harness import World
 from harness.collectives import CountKey
 from harness.parallel_cases import LossCase, TPCase, TransformerCase
 from harness.parity import assert_close, assert_equal_values
+from harness.profiles import costly
 from harness.strategies.tp import (
     loss_cases,
     loss_error_cases,
@@ -36,6 +37,10 @@ from suites import _tp_transformer as transformer
 
 # World.run enforces its own deadline; hypothesis' per-example deadline would misfire.
 PROPERTY = settings(deadline=None)
+# A Transformer example builds, trains and gathers a TP model twice over (one device in
+# float64 and float32, the ranks): about 0.3 s at world size 1 to 1.2 s at 4, a quarter of
+# the profile's examples.
+TRANSFORMER = costly(4)
 HANGS_ITS_PEERS = pytest.mark.runner(
     "processes",
     reason="a rank holding no class issues one all-reduce fewer and its peers wait forever "
@@ -286,14 +291,14 @@ def _check_transformer(world: World, case: TransformerCase) -> None:
 
 
 @pytest.mark.spec("tp.transformer.training")
-@PROPERTY
+@TRANSFORMER
 @given(data=st.data())
 def test_tp_transformer_trains_like_one_device(world: World, data: st.DataObject) -> None:
     _check_transformer(world, data.draw(transformer_cases(world.world_size), label="case"))
 
 
 @pytest.mark.spec("tp.transformer.requires_grad")
-@PROPERTY
+@TRANSFORMER
 @given(data=st.data())
 def test_tp_transformer_with_frozen_parameters(world: World, data: st.DataObject) -> None:
     case = data.draw(transformer_cases(world.world_size, frozen=True), label="case")

@@ -463,3 +463,20 @@ def test_a_malformed_table_is_a_report_error(tmp_path):
     path.write_text("{not json")
     with pytest.raises(ReportError, match=r"mutation\.json' is malformed"):
         build_page(FIXTURE_RUN, mutation_table=path)
+
+
+def test_the_launcher_runs_each_command_in_a_process_of_its_own(tmp_path):
+    from harness import launcher
+
+    listing = tmp_path / "list.txt"
+    assert launcher.run(["list"], listing) == 0
+    assert "specs in" in listing.read_text()
+    assert launcher.run(["run", "--suite=nope"], tmp_path / "bad.txt") != 0
+    assert "--suite='nope' is not a suite" in (tmp_path / "bad.txt").read_text()
+    common = ["run", "--suite=placements", "--world-sizes=2", "--profile=ci"]
+    select = ["-k", "redistribute_preserves"]
+    faulty = [*common, f"--out={tmp_path / 'faulty'}", "--", *select]
+    faulty.append("--distconf-faults=dtensor.partial_avg_as_sum,dtensor.partial_reduced_twice")
+    assert launcher.run(faulty, tmp_path / "faulty.txt") == 1
+    clean = [*common, f"--out={tmp_path / 'clean'}", "--", *select]
+    assert launcher.run(clean, tmp_path / "clean.txt") == 0  # nothing leaked from the other

@@ -130,3 +130,16 @@ def test_sampled_keeps_bools_and_ints_apart(data):
     flags, sizes = sampled((True,)), sampled((1,))
     assert type(data.draw(sizes)) is int and type(data.draw(flags)) is bool
     assert type(data.draw(sampled((0,)))) is int and type(data.draw(sampled((False,)))) is bool
+
+
+def test_costly_properties_buy_a_share_of_the_profiles_examples():
+    from hypothesis import settings
+
+    from harness.profiles import costly
+
+    budget = settings.default.max_examples
+    assert costly(4).max_examples == max(2, budget // 4)
+    assert costly(10**6).max_examples == 2
+    assert costly(4).deadline is None
+    with pytest.raises(ValueError, match=r"cost=0 must be an int >= 1"):
+        costly(0)

@@ -90,11 +90,11 @@ def distribute_cases(
 
 @takes_world_size
 @st.composite
-def op_cases(draw: st.DrawFn, world_size: int) -> OpCase:
-    """A float64 DTensor laid out by drawn placements and an op of ``harness.dtensor_ops``
-    that fits its rank (amax/amin along a non-empty dim, as on one device). An op along a
-    dim is applied along each of them, in a drawn order, each dim spelled ``d`` or
-    ``d - ndim``.
+def op_cases(draw: st.DrawFn, world_size: int) -> tuple[OpCase, ...]:
+    """A float64 DTensor laid out by drawn placements and 1-4 distinct ops of
+    ``harness.dtensor_ops`` that fit its rank (amax/amin along a non-empty dim, as on one
+    device), each an ``OpCase`` of the same source. An op along a dim is applied along each
+    of them, in a drawn order, each dim spelled ``d`` or ``d - ndim``.
 
     max/min reductions are drawn only where no rank holds an empty shard
     (``extremum_empty_shard_cases`` draws those)."""
@@ -104,15 +104,22 @@ def op_cases(draw: st.DrawFn, world_size: int) -> OpCase:
     empty = any(0 in box for box, _ in local_boxes(shape, mesh, chosen).values())
     sharded = any(isinstance(p, Shard) for p in chosen)
     fitting = [name for name, op in OPS.items() if _fits(op, shape, empty, sharded)]
-    name = draw(sampled(tuple(fitting)))
+    names = draw(st.lists(sampled(tuple(fitting)), min_size=1, max_size=4, unique=True))
     source = DistributeCase(mesh, chosen, shape, "float64", draw(seeds()))
-    if not OPS[name].needs_dim:
-        return OpCase(source, name, ((0, draw(st.booleans())),))
-    dims = [d for d in range(len(shape)) if not (OPS[name].nonempty_dim and shape[d] == 0)]
-    order = draw(st.permutations(dims))
-    spelled = _spelled if OPS[name].negative_dims else _from_the_front
-    return OpCase(
-        source, name, tuple((draw(spelled(d, len(shape))), draw(st.booleans())) for d in order)
+    return tuple(OpCase(source, name, draw(_applications(name, shape))) for name in names)
+
+
+@st.composite
+def _applications(
+    draw: st.DrawFn, name: str, shape: tuple[int, ...]
+) -> tuple[tuple[int, bool], ...]:
+    op = OPS[name]
+    if not op.needs_dim:
+        return ((0, draw(st.booleans())),)
+    dims = [d for d in range(len(shape)) if not (op.nonempty_dim and shape[d] == 0)]
+    spelled = _spelled if op.negative_dims else _from_the_front
+    return tuple(
+        (draw(spelled(d, len(shape))), draw(st.booleans())) for d in draw(st.permutations(dims))
     )
 
 
