@@ -20,7 +20,16 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from harness.faults import dtensor, modules, parallel, state_dict, training
+from harness.faults import (
+    blind_dtensor,
+    blind_state_dict,
+    blind_training,
+    dtensor,
+    modules,
+    parallel,
+    state_dict,
+    training,
+)
 from harness.faults._patch import Fault, FaultError, Patch, Undo
 
 ENV_VAR = "DISTCONF_FAULTS"
@@ -32,6 +41,9 @@ _ALL = (
     *training.FAULTS,
     *state_dict.FAULTS,
     *parallel.FAULTS,
+    *blind_dtensor.FAULTS,
+    *blind_training.FAULTS,
+    *blind_state_dict.FAULTS,
 )
 FAULTS: dict[str, Fault] = {fault.id: fault for fault in _ALL}
 BUILTIN = frozenset(FAULTS)
