@@ -55,7 +55,10 @@ def test_run_writes_one_record_per_spec_and_world_size(tmp_path):
     catalogued = catalogue.load().values()
     specs = {s.id for s in catalogued if s.suite == "placements" and s.status == "active"}
     assert "placements.redistribute.partial_target_rejected" in specs
-    assert {(r["spec"], r["world_size"]) for r in tests} == {(s, w) for s in specs for w in (1, 3)}
+    # a scan along a dim counted from the back can only go wrong where that dim is split
+    needs_two_ranks = {("placements.ops.scan_negative_dim", 1)}
+    expected = {(s, w) for s in specs for w in (1, 3)} - needs_two_ranks
+    assert {(r["spec"], r["world_size"]) for r in tests} == expected
     assert records[0]["profile"] == "dev" and records[-1]["kind"] == "end"
     assert "0 unexpected outcome(s)" in done.stdout
     report = (tmp_path / "report.html").read_text()
