@@ -251,7 +251,7 @@ def mutate(
             mutation.results.append(result)
             mutation.clean = _merged([p.result() for p in clean_parts if p.done()], out / "clean")
             mutation.write(table)
-            print(_row(result), flush=True)
+            print(_row(result, _fault_width(selected)), flush=True)
         mutation.clean = _merged([p.result() for p in clean_parts], out / "clean")
     if not _passed(mutation.clean):
         mutation.void = (
@@ -268,14 +268,14 @@ def mutate(
 # the longest start first, so that the short fault runs fill the gaps instead of a long
 # suite starting last. Only an order: a suite missing here goes after these.
 _CLEAN_SECONDS = {
-    "state_dict": 900,
-    "tp": 500,
-    "optim_parity": 450,
-    "hsdp": 300,
-    "fsdp_init": 270,
-    "zero": 100,
-    "uneven": 30,
-    "placements": 30,
+    "tp": 496,
+    "optim_parity": 419,
+    "state_dict": 320,
+    "hsdp": 286,
+    "fsdp_init": 254,
+    "zero": 123,
+    "uneven": 49,
+    "placements": 43,
 }
 
 
@@ -309,7 +309,11 @@ def _uncaught(fault: faults.Fault) -> FaultResult:
     )
 
 
-def _row(result: FaultResult) -> str:
+def _fault_width(selected: Sequence[faults.Fault]) -> int:
+    return max([38, *(len(fault.id) for fault in selected)])
+
+
+def _row(result: FaultResult, width: int) -> str:
     verdict = "NO RESULT" if result.problem else "caught" if result.caught else "SURVIVED"
     detect = (
         f"{result.seconds_to_detect:>8.1f}s {result.examples_to_detect or '-':>5}"
@@ -317,13 +321,14 @@ def _row(result: FaultResult) -> str:
         else f"{'-':>9} {'-':>5}"
     )
     specs = ", ".join(result.specs) or result.problem or "-"
-    return f"{result.fault:<38} {verdict:<9} {detect} {result.wall_seconds:>7.1f}s  {specs}"
+    return f"{result.fault:<{width}} {verdict:<9} {detect} {result.wall_seconds:>7.1f}s  {specs}"
 
 
 def print_table(mutation: Mutation) -> None:
-    print(f"\n{'fault':<38} {'verdict':<9} {'detect':>9} {'ex.':>5} {'run':>8}  caught by")
+    width = max([38, *(len(result.fault) for result in mutation.results)])
+    print(f"\n{'fault':<{width}} {'verdict':<9} {'detect':>9} {'ex.':>5} {'run':>8}  caught by")
     for result in mutation.results:
-        print(_row(result))
+        print(_row(result, width))
     caught, total = mutation.score
     if mutation.void:
         print(f"score: VOID — {mutation.void}")
