@@ -406,7 +406,7 @@ def test_a_failing_clean_suite_voids_the_score_and_later_fault_runs_do_not_start
 ):
     ran = _fake_runs(monkeypatch, failing_suites=("uneven",))
     result = mutate.mutate(CONFIG, TWO_FAULTS, tmp_path, jobs=1)
-    assert ran == ["clean:placements", "clean:uneven"]
+    assert sorted(ran) == ["clean:placements", "clean:uneven"]  # and no fault run
     assert result.void and "1 unexpected outcome(s)" in result.void
     assert [r.problem for r in result.results] == [
         "not run: a clean suite run failed before this fault's run"
