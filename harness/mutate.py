@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -247,11 +247,12 @@ def mutate(
                 fault, config, out / "faults" / fault.id, phases, cheap_first=out / "clean"
             )
 
+        width = _fault_width(fault.id for fault in selected)
         for result in pool.map(one, selected):
             mutation.results.append(result)
             mutation.clean = _merged([p.result() for p in clean_parts if p.done()], out / "clean")
             mutation.write(table)
-            print(_row(result, _fault_width(selected)), flush=True)
+            print(_row(result, width), flush=True)
         mutation.clean = _merged([p.result() for p in clean_parts], out / "clean")
     if not _passed(mutation.clean):
         mutation.void = (
@@ -309,8 +310,8 @@ def _uncaught(fault: faults.Fault) -> FaultResult:
     )
 
 
-def _fault_width(selected: Sequence[faults.Fault]) -> int:
-    return max([38, *(len(fault.id) for fault in selected)])
+def _fault_width(ids: Iterable[str]) -> int:
+    return max([38, *map(len, ids)])
 
 
 def _row(result: FaultResult, width: int) -> str:
@@ -325,7 +326,7 @@ def _row(result: FaultResult, width: int) -> str:
 
 
 def print_table(mutation: Mutation) -> None:
-    width = max([38, *(len(result.fault) for result in mutation.results)])
+    width = _fault_width(result.fault for result in mutation.results)
     print(f"\n{'fault':<{width}} {'verdict':<9} {'detect':>9} {'ex.':>5} {'run':>8}  caught by")
     for result in mutation.results:
         print(_row(result, width))
