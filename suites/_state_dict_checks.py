@@ -90,13 +90,15 @@ def other_hyperparameters(train: ParityCase) -> OptimConfig:
     )
 
 
+def fresh_training(train: ParityCase) -> ParityCase:
+    """``train`` initialised from another seed, the optimizer with another lr and weight
+    decay in every group: what a load must overwrite."""
+    return replace(train, seed=(train.seed + 1) % 2**32, optim=other_hyperparameters(train))
+
+
 def build(ctx: RankContext, case: StateDictCase, *, fresh: bool = False) -> Sharded:
-    """The case's sharded model and optimizer; ``fresh``: initialised from another seed,
-    the optimizer with another lr and weight decay in every group (what a load must
-    overwrite)."""
-    train = case.train
-    if fresh:
-        train = replace(train, seed=(train.seed + 1) % 2**32, optim=other_hyperparameters(train))
+    """The case's sharded model and optimizer; ``fresh``: those of ``fresh_training``."""
+    train = fresh_training(case.train) if fresh else case.train
     model = build_mlp(train, ctx.device)
     wrapped, dp_rank = parallelize(model, train, ctx, **fsdp_options(case))
     return Sharded(wrapped, optimizer_for(wrapped, train), dp_rank, case)

@@ -29,9 +29,9 @@ from suites._state_dict_checks import (
     Sharded,
     _full,
     build,
+    fresh_training,
     full_state,
     next_step,
-    other_hyperparameters,
 )
 from suites._training import optimizer_for, parallelize, train_step
 
@@ -243,11 +243,7 @@ class WrappedStateView:
 
 def ddp_state_dict_on_rank(ctx: RankContext, case: ParityCase) -> WrappedStateView:
     runs = []
-    for fresh in (False, True):
-        train = case
-        if fresh:
-            optim = other_hyperparameters(case)
-            train = replace(case, seed=(case.seed + 1) % 2**32, optim=optim)
+    for train in (case, fresh_training(case)):
         model = build_mlp(train, ctx.device)
         wrapped, _ = parallelize(model, train, ctx)
         runs.append((model, wrapped, optimizer_for(model, train)))
