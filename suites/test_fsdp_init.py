@@ -14,7 +14,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from harness import World
-from harness.fsdp_cases import ContainerCase
+from harness.cases.modules import ContainerCase
 from harness.parity import assert_array_equal, assert_close, assert_equal_values
 from harness.strategies import factorisations, seeds
 from harness.strategies.modules import (
@@ -29,10 +29,10 @@ from specs import fsdp_layouts as layouts
 from specs import modules as model
 from specs.chunking import shard_sizes
 from specs.placements import Replicate, Shard
-from suites import _fsdp_expect as expect
-from suites import _fsdp_graph_checks as graphs
-from suites import _fsdp_mesh_checks as meshes
-from suites import _fsdp_misc_checks as misc
+from suites.checks import fsdp_expect as expect
+from suites.checks import fsdp_graphs as graphs
+from suites.checks import fsdp_meshes as meshes
+from suites.checks import fsdp_misc as misc
 
 # World.run enforces its own deadline; hypothesis' per-example deadline would misfire on
 # the first example of a World (process-group and mesh creation).

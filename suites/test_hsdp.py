@@ -14,14 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import World, parity
-from harness.collectives import CountKey
-from harness.optim import describe_reference, reference_run
-from harness.parallel_cases import GroupErrorCase, HSDPCase, SyncCase
+from harness.cases.hsdp import GroupErrorCase, HSDPCase, SyncCase
 from harness.parity import assert_array_equal, assert_equal_values
 from harness.strategies.hsdp import group_error_cases, hsdp_cases, save_load_cases, sync_cases
-from suites import _hsdp_training as hsdp
-from suites._hsdp_state_dict import save_load_on_rank
-from suites._training import assert_same_training, assert_trained_like
+from harness.torchkit.collectives import CountKey
+from harness.torchkit.optim import describe_reference, reference_run
+from suites.checks import hsdp
+from suites.checks.hsdp import save_load_on_rank
+from suites.checks.training import assert_same_training, assert_trained_like
 
 # World.run enforces its own deadline; hypothesis' per-example deadline would misfire.
 PROPERTY = settings(deadline=None)

@@ -10,13 +10,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import World, parity
-from harness.cases import ParityCase
-from harness.optim import describe_reference, reference_run
+from harness.cases.training import ParityCase
 from harness.parity import assert_array_equal, assert_close
 from harness.profiles import costly
 from harness.strategies.training import optim_configs, parity_cases, step_cases
-from suites._optim_steps import step_model, step_on_rank
-from suites._training import assert_trained_like, ddp_forward_buffers_on_rank, train_on_rank
+from harness.torchkit.optim import describe_reference, reference_run
+from suites.checks.training import (
+    assert_trained_like,
+    ddp_forward_buffers_on_rank,
+    step_model,
+    step_on_rank,
+    train_on_rank,
+)
 
 # World.run enforces its own deadline; hypothesis' per-example deadline would misfire.
 PROPERTY = settings(deadline=None)

@@ -8,8 +8,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from harness import World
-from harness.cases import DistributeCase, OpCase, ReshapeCase
-from harness.dtensor import DTensorView
+from harness.cases.placements import DistributeCase, OpCase, ReshapeCase
 from harness.parity import assert_array_equal, assert_close
 from harness.strategies import (
     distribute_cases,
@@ -22,6 +21,7 @@ from harness.strategies import (
     reshape_cases,
     scan_negative_dim_cases,
 )
+from harness.torchkit.dtensor import DTensorView
 from specs.placements import (
     REDUCE_OPS,
     Partial,
@@ -30,7 +30,7 @@ from specs.placements import (
     coord_of_rank,
     local_arrays,
 )
-from suites._dtensor_checks import (
+from suites.checks.dtensor import (
     assert_layout,
     distribute_on_rank,
     op_on_one_device,

@@ -22,10 +22,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness import World, Worlds
-from harness.cases import TP_LAYOUTS, StateDictCase
-from harness.dtensor import to_numpy
-from harness.models import build_mlp
-from harness.optim import param_groups
+from harness.cases.state_dict import StateDictCase
+from harness.cases.training import TP_LAYOUTS
 from harness.parity import assert_array_equal, assert_equal_values
 from harness.profiles import costly
 from harness.strategies.state_dict import (
@@ -36,11 +34,14 @@ from harness.strategies.state_dict import (
     uneven_strided_cases,
 )
 from harness.strategies.training import optim_configs, parity_cases
+from harness.torchkit.dtensor import to_numpy
+from harness.torchkit.models import build_mlp
+from harness.torchkit.optim import param_groups
 from specs import resume
-from suites import _state_dict_checks as checks
-from suites import _state_dict_dcp as dcp
-from suites import _state_dict_full as full
-from suites._state_dict_checks import assert_same_state
+from suites.checks import state_dict as checks
+from suites.checks import state_dict_dcp as dcp
+from suites.checks import state_dict_full as full
+from suites.checks.state_dict import assert_same_state
 
 # Each example builds, trains and reloads sharded models (and some write checkpoints):
 # about ten times the cost of a placement example.

@@ -3,8 +3,9 @@ upstream test each covers: the specs' provenance). FSDP+TP training is optim.fsd
 
 ``loss_parallel()`` (and torch's own ``CommDebugMode``) change process-global dispatch
 state in torch 2.13 and fail when rank threads use them at once: the checks enter it
-through ``harness.shared_contexts``, once per process. Collectives are counted by
-``harness.collectives``, whose counters are per thread, so every count runs on both runners.
+through ``harness.torchkit.shared_contexts``, once per process. Collectives are counted by
+``harness.torchkit.collectives``, whose counters are per thread, so every count runs on both
+runners.
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from harness import World
-from harness.collectives import CountKey
-from harness.parallel_cases import LossCase, TPCase, TransformerCase
+from harness.cases.tp import LossCase, TPCase, TransformerCase
 from harness.parity import assert_close, assert_equal_values
 from harness.profiles import costly
 from harness.strategies.tp import (
@@ -29,11 +29,12 @@ from harness.strategies.tp import (
     tp_cases,
     transformer_cases,
 )
+from harness.torchkit.collectives import CountKey
 from specs.chunking import shard_sizes
 from specs.loss_parallel import Layouts, Rejected, layouts
 from specs.tp_collectives import transformer_collectives
-from suites import _tp_checks as tp
-from suites import _tp_transformer as transformer
+from suites.checks import tp
+from suites.checks import tp as transformer
 
 # World.run enforces its own deadline; hypothesis' per-example deadline would misfire.
 PROPERTY = settings(deadline=None)

@@ -15,10 +15,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from harness import World
-from harness.cases import MLPCase
-from harness.context import RankContext
-from harness.dtensor import DTensorView, tensor_from, to_numpy, view_of
-from harness.models import build_mlp, global_batch
+from harness.cases.training import MLPCase
 from harness.parity import assert_array_equal, assert_close, assert_equal_values
 from harness.strategies import (
     distribute_cases,
@@ -27,8 +24,11 @@ from harness.strategies import (
     uneven_redistribute_cases,
     uneven_shard_cases,
 )
+from harness.torchkit.context import RankContext
+from harness.torchkit.dtensor import DTensorView, tensor_from, to_numpy, view_of
+from harness.torchkit.models import build_mlp, global_batch
 from specs.placements import Partial, Shard, local_arrays, local_boxes
-from suites._dtensor_checks import (
+from suites.checks.dtensor import (
     assert_layout,
     box_on_rank,
     distribute_on_rank,

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import World
-from harness.cases import OptimConfig, ParityCase
+from harness.cases.training import OptimConfig, ParityCase
 from harness.parity import assert_close, assert_equal_values
 from harness.strategies.training import (
     join_cases,
@@ -22,8 +22,8 @@ from harness.strategies.training import (
     partition_cases,
 )
 from specs.zero import partition
-from suites import _zero_checks as checks
-from suites import _zero_training as training
+from suites.checks import zero as checks
+from suites.checks import zero_training as training
 
 # World.run enforces its own deadline; hypothesis' per-example deadline would misfire.
 PROPERTY = settings(deadline=None)
@@ -206,7 +206,7 @@ def test_constructor_accepts_and_rejects_the_right_inputs(
 @PROPERTY
 @given(case=partition_cases())
 def test_partition_is_sorted_greedy(world: World, case: object) -> None:
-    from harness.cases import PartitionCase
+    from harness.cases.training import PartitionCase
 
     assert isinstance(case, PartitionCase)
     expected = [

@@ -1,4 +1,4 @@
-"""harness.collectives: per-rank counts of c10d and functional collectives, per group, on
+"""harness.torchkit.collectives: per-rank counts of c10d and functional collectives, per group, on
 both runners; counters of concurrent rank threads never see each other's collectives."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from harness import collectives, open_world
-from harness.collectives import by_op, counting
+from harness import open_world
+from harness.torchkit import collectives
+from harness.torchkit.collectives import by_op, counting
 
 
 def _c10d_calls(ctx):

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import catalogue, faults, mutate
+from harness import catalogue, faults
 from harness.faults import Fault, FaultError, Patch
+from harness.mutation import mutate
 from harness.report.records import ReportError
 from harness.report.render import build_page, render_page
 
@@ -466,7 +467,7 @@ def test_a_malformed_table_is_a_report_error(tmp_path):
 
 
 def test_the_launcher_runs_each_command_in_a_process_of_its_own(tmp_path):
-    from harness import launcher
+    from harness.mutation import launcher
 
     listing = tmp_path / "list.txt"
     assert launcher.run(["list"], listing) == 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import gpus
+from harness.plugin import gpus
 
 LEASE_PROBE = """
 import os

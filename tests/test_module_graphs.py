@@ -13,9 +13,9 @@ from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
 from harness import open_world
 from harness import strategies as hs
-from harness.fsdp_cases import GraphCase
-from harness.module_graphs import build_graph
+from harness.cases.modules import GraphCase
 from harness.strategies.modules import owns_subtree, strided_disagreement_world_sizes
+from harness.torchkit.module_graphs import build_graph
 from specs import fsdp_layouts
 from specs.modules import (
     ModuleGraph,

@@ -12,13 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.models import build_tied, build_transformer
-from harness.parallel_cases import (
-    GroupErrorCase,
-    LossCase,
-    TransformerCase,
-    transformer_param_names,
-)
+from harness.cases.hsdp import GroupErrorCase
+from harness.cases.tp import LossCase, TransformerCase, transformer_param_names
 from harness.strategies.hsdp import hsdp_cases, hsdp_meshes, save_load_cases
 from harness.strategies.tp import (
     class_counts,
@@ -28,6 +23,7 @@ from harness.strategies.tp import (
     tp_cases,
     transformer_cases,
 )
+from harness.torchkit.models import build_tied, build_transformer
 from specs.chunking import shard_sizes
 from specs.loss_parallel import Layouts, Rejected, layouts
 from specs.placements import Partial, Replicate, Shard

@@ -1,4 +1,5 @@
-"""harness.shared_contexts: a process-wide context entered once, whatever the rank threads."""
+"""harness.torchkit.shared_contexts: a process-wide context entered once, whatever the rank
+threads."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import threading
 
 import pytest
 
-from harness import open_world, shared_contexts
+from harness import open_world
+from harness.torchkit import shared_contexts
 
 
 def test_the_first_user_enters_and_the_last_leaves():

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import distribute_tensor
 
 from harness import open_world
-from harness.dtensor import to_torch_placements
 from harness.strategies import mesh_shapes, placements, shapes
+from harness.torchkit.dtensor import to_torch_placements
 from specs import chunking
 from specs.placements import (
     REDUCE_OPS,

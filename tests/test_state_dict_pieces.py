@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.cases import TP_LAYOUTS, OptimConfig, ParityCase, ResumeCase, StateDictCase
+from harness.cases.state_dict import ResumeCase, StateDictCase
+from harness.cases.training import TP_LAYOUTS, OptimConfig, ParityCase
 from harness.strategies.state_dict import (
     layout_meshes,
     reshard_cases,

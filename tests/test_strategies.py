@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import strategies as hs
-from harness.cases import DTYPES, DistributeCase, partial_sum_factor
+from harness.cases.placements import DTYPES, DistributeCase, partial_sum_factor
 from specs.placements import Partial, Replicate, Shard, coord_of_rank, validate
 
 

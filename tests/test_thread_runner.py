@@ -290,9 +290,9 @@ def test_worlds_serve_the_sessions_sizes_from_the_cache_and_check_them():
 
 def test_new_generations_never_reuse_another_ranks_redistribute_plan():
     """Thread idents are recycled; DTensor caches rank-dependent plans by ident."""
-    from harness.cases import RedistributeCase
+    from harness.cases.placements import RedistributeCase
     from specs.placements import Replicate, Shard
-    from suites._dtensor_checks import redistribute_on_rank
+    from suites.checks.dtensor import redistribute_on_rank
 
     case = RedistributeCase(
         mesh_shape=(1, 2, 2),
@@ -310,9 +310,9 @@ def test_new_generations_never_reuse_another_ranks_redistribute_plan():
 
 def test_seeded_models_are_identical_on_every_rank_and_in_the_driver(world4):
     """Rank threads share torch's global RNG; seeded_init_ must not depend on it."""
-    from harness.cases import MLPCase
-    from harness.dtensor import to_numpy
-    from harness.models import build_mlp
+    from harness.cases.training import MLPCase
+    from harness.torchkit.dtensor import to_numpy
+    from harness.torchkit.models import build_mlp
 
     case = MLPCase(
         dims=(5, 7, 3),

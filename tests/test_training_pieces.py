@@ -10,9 +10,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from harness.cases import LAYOUTS, TP_LAYOUTS, OptimConfig, ParityCase
-from harness.models import build_mlp
-from harness.optim import build_optimizer, param_groups, reference_run
+from harness.cases.training import LAYOUTS, TP_LAYOUTS, OptimConfig, ParityCase
 from harness.strategies.training import (
     optim_configs,
     params_cases,
@@ -20,6 +18,8 @@ from harness.strategies.training import (
     partition_cases,
     step_cases,
 )
+from harness.torchkit.models import build_mlp
+from harness.torchkit.optim import build_optimizer, param_groups, reference_run
 from specs.zero import partition, rank_totals
 
 

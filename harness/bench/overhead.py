@@ -16,9 +16,10 @@ from typing import Any
 
 from hypothesis import given, settings
 
-from harness.cases import DistributeCase
-from harness.context import RankContext
+from harness.cases.placements import DistributeCase
 from harness.strategies import distribute_cases
+from harness.torchkit.context import RankContext
+from harness.torchkit.dtensor import distribute, view_of
 
 
 def trivial(ctx: RankContext) -> None:
@@ -26,10 +27,8 @@ def trivial(ctx: RankContext) -> None:
 
 
 def placement(ctx: RankContext, case: DistributeCase) -> None:
-    """The body of the distribute property (suites/test_placements.py) for one case."""
-    from suites._dtensor_checks import distribute_on_rank
-
-    distribute_on_rank(ctx, case)
+    """The rank side of the distribute property (suites/test_placements.py) for one case."""
+    view_of(distribute(ctx, case), ctx.rank)
 
 
 def sample_cases(world_size: int, count: int) -> list[DistributeCase]:

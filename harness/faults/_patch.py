@@ -127,6 +127,6 @@ def _revert(undos: list[Undo]) -> None:
 def _clear_torch_caches() -> None:
     # Plans cached before the patch would bypass it (and cached plans made under it would
     # outlive it).
-    from harness import _torch_internals
+    from harness.torchkit import internals
 
-    _torch_internals.clear_dtensor_plan_caches()
+    internals.clear_dtensor_plan_caches()

@@ -13,7 +13,7 @@ general rather than aimed at the fault:
 - view_split_flatten_no_redistribute: views of sharded tensors were never drawn
   (placements.ops.reshape).
 - loss_parallel_local_logsumexp: the loss_parallel specs skipped the thread runner, mutate's
-  default (harness.shared_contexts).
+  default (harness.torchkit.shared_contexts).
 
 Each patch was written for torch 2.13: a target that is gone raises FaultError when applied.
 """

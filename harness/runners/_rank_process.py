@@ -107,10 +107,11 @@ class _Rank:
     def __init__(self, config: RankConfig) -> None:
         import torch
 
-        from harness import _torch_internals, faults
-        from harness.context import RankContext
+        from harness import faults
+        from harness.torchkit import internals
+        from harness.torchkit.context import RankContext
 
-        _torch_internals.quiet_known_warnings()
+        internals.quiet_known_warnings()
         # a mutation run: the driver's faults, here too
         faults.apply_in_rank(config.faults, config.fault_files)
         self.config = config
@@ -128,7 +129,7 @@ class _Rank:
         import torch.distributed as dist
         from torch._C import _distributed_c10d as c10d
 
-        from harness import _torch_internals
+        from harness.torchkit import internals
 
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -137,7 +138,7 @@ class _Rank:
             # when torch.distributed is imported, which may precede this process's main.
             c10d.set_debug_level(c10d.DebugLevel.DETAIL)
         self.ctx.forget_meshes()
-        _torch_internals.clear_dtensor_plan_caches()
+        internals.clear_dtensor_plan_caches()
         store = c10d.FileStore(
             os.path.join(self.config.directory, f"store.{generation}"), self.config.world_size
         )

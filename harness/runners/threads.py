@@ -29,8 +29,6 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore
 
-from harness import _torch_internals
-from harness.context import RankContext
 from harness.runners import _threaded_pg
 from harness.runners.base import (
     RankFailure,
@@ -43,6 +41,8 @@ from harness.runners.base import (
     settle,
     skip_reason,
 )
+from harness.torchkit import internals
+from harness.torchkit.context import RankContext
 
 T = TypeVar("T")
 RUNNER = "threads"
@@ -81,7 +81,7 @@ class _Generation:
         outcomes, _ = self.collect(time.monotonic() + _START_TIMEOUT)
         # DeviceMesh keys DTensor's caches by thread ident on this backend, and the OS hands
         # exited threads' idents to new ones: forget plans made for other ranks.
-        _torch_internals.clear_dtensor_plan_caches()
+        internals.clear_dtensor_plan_caches()
         failed = [o for o in outcomes if o.status != "ok"]
         if failed:
             self.stop(grace=_STOP_GRACE)
@@ -203,7 +203,7 @@ class ThreadWorld:
 
     def __init__(self, world_size: int, device: str = "cpu", *, timeout: float = 60.0) -> None:
         _threaded_pg.install()
-        _torch_internals.quiet_known_warnings()
+        internals.quiet_known_warnings()
         self.world_size, self.device, self.timeout = world_size, device, timeout
         self.calls = 0
         self.generations = 0

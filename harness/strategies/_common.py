@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from hypothesis import strategies as st
 
-from harness.cases import DTYPES
+from harness.cases.placements import DTYPES
 
 T = TypeVar("T")
 MAX_SIDE = 17

@@ -7,7 +7,7 @@ from functools import cache
 
 from hypothesis import strategies as st
 
-from harness.parallel_cases import (
+from harness.cases.hsdp import (
     GROUP_SOURCES,
     HSDP_APIS,
     HYBRID_STRATEGIES,
@@ -16,8 +16,8 @@ from harness.parallel_cases import (
     GroupErrorCase,
     HSDPCase,
     SyncCase,
-    check_choice,
 )
+from harness.errors import check_one_of
 from harness.strategies._common import check_int, factorisations, sampled, seeds, takes_world_size
 from harness.strategies.training import parity_cases
 
@@ -33,7 +33,7 @@ replicate axis of several ranks; ``one_rank_shards``: exactly that, ``(world, 1)
 def hsdp_meshes(world_size: int, kind: str = "any") -> tuple[tuple[int, int], ...]:
     """``(replicate, shard)`` meshes of ``world_size`` ranks, size-1 axes included."""
     check_int("world_size", world_size, 1)
-    check_choice("kind", kind, MESH_KINDS)
+    check_one_of("kind", kind, MESH_KINDS)
     shapes = [(s[0], s[1]) for s in factorisations(world_size, 2) if len(s) == 2]
     if kind == "any":
         return tuple(shapes)
@@ -46,7 +46,7 @@ def hsdp_meshes(world_size: int, kind: str = "any") -> tuple[tuple[int, int], ..
 
 
 def _fsdp1(api: str) -> bool:
-    check_choice("api", api, HSDP_APIS)
+    check_one_of("api", api, HSDP_APIS)
     return api == "fsdp1"
 
 

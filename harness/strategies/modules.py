@@ -26,7 +26,7 @@ from functools import cache
 from hypothesis import assume
 from hypothesis import strategies as st
 
-from harness.fsdp_cases import GraphCase, MLPMeshCase, ShardDimCase
+from harness.cases.modules import GraphCase, MLPMeshCase, ShardDimCase
 from harness.strategies._common import (
     check_int,
     factorisations,

@@ -9,8 +9,7 @@ from functools import cache
 
 from hypothesis import strategies as st
 
-from harness.cases import DistributeCase, OpCase, RedistributeCase, ReshapeCase
-from harness.dtensor_ops import OPS, Op
+from harness.cases.placements import DistributeCase, OpCase, RedistributeCase, ReshapeCase
 from harness.strategies._common import (
     check_int,
     dtypes,
@@ -20,6 +19,7 @@ from harness.strategies._common import (
     shapes,
     takes_world_size,
 )
+from harness.torchkit.dtensor_ops import OPS, Op
 from specs.placements import REDUCE_OPS, Partial, Placement, Replicate, Shard, local_boxes
 
 
@@ -92,7 +92,7 @@ def distribute_cases(
 @st.composite
 def op_cases(draw: st.DrawFn, world_size: int) -> tuple[OpCase, ...]:
     """A float64 DTensor laid out by drawn placements and 1-4 distinct ops of
-    ``harness.dtensor_ops`` that fit its rank (amax/amin along a non-empty dim, as on one
+    ``harness.torchkit.dtensor_ops`` that fit its rank (amax/amin along a non-empty dim, as on one
     device), each an ``OpCase`` of the same source. An op along a dim is applied along each
     of them, in a drawn order, each dim spelled ``d`` or ``d - ndim``.
 

@@ -8,14 +8,8 @@ from dataclasses import replace
 
 from hypothesis import strategies as st
 
-from harness.cases import (
-    OPTIMIZERS,
-    SHARDED_LAYOUTS,
-    TP_LAYOUTS,
-    ReshardCase,
-    ResumeCase,
-    StateDictCase,
-)
+from harness.cases.state_dict import SHARDED_LAYOUTS, ReshardCase, ResumeCase, StateDictCase
+from harness.cases.training import OPTIMIZERS, TP_LAYOUTS
 from harness.strategies._common import (
     check_int,
     check_subset,

@@ -7,14 +7,8 @@ from functools import cache
 
 from hypothesis import strategies as st
 
-from harness.parallel_cases import (
-    LossCase,
-    TiedCase,
-    TPCase,
-    TransformerCase,
-    check_choice,
-    transformer_param_names,
-)
+from harness.cases.tp import LossCase, TiedCase, TPCase, TransformerCase, transformer_param_names
+from harness.errors import check_one_of
 from harness.strategies._common import (
     check_int,
     factorisations,
@@ -37,7 +31,7 @@ def hidden_sizes(tp: int, kind: str) -> tuple[int, ...]:
     (``uneven``); ``one``: the hidden size 1 on one rank (tp.mlp.hidden_one), which over
     more ranks is uneven."""
     check_int("tp", tp, 1)
-    check_choice("kind", kind, HIDDEN_KINDS)
+    check_one_of("kind", kind, HIDDEN_KINDS)
     if kind == "one":
         if tp != 1:
             raise ValueError(f"tp={tp!r}: hidden size 1 is uneven over several ranks")
@@ -101,7 +95,7 @@ def class_counts(tp: int, kind: str) -> tuple[int, ...]:
     """Class counts up to ``3 * tp + 1`` whose ``Shard`` over ``tp`` ranks leaves no rank
     empty (``nonempty``) or some rank empty (``empty``)."""
     check_int("tp", tp, 1)
-    check_choice("kind", kind, CLASS_KINDS)
+    check_one_of("kind", kind, CLASS_KINDS)
     counts = tuple(
         c for c in range(1, 3 * tp + 2) if (0 in shard_sizes(c, tp)) == (kind == "empty")
     )
@@ -117,8 +111,8 @@ def loss_cases(
     shards the batch, the extra dim of a 3-D input, or replicates. Reductions: all three
     on a 1-D mesh, ``none`` and ``sum`` on a 2-D one (``mean`` is rejected there)."""
     check_int("world_size", world_size, 1)
-    check_choice("mesh_ndim", mesh_ndim, (1, 2))
-    check_choice("classes", classes, CLASS_KINDS)
+    check_one_of("mesh_ndim", mesh_ndim, (1, 2))
+    check_one_of("classes", classes, CLASS_KINDS)
     return _loss_cases(world_size, mesh_ndim=mesh_ndim, classes=classes)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from harness.cases import (
+from harness.cases.training import (
     IMPLEMENTATIONS,
     LAYOUTS,
     OPTIMIZERS,

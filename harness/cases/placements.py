@@ -1,0 +1,147 @@
+"""Cases of the placement and uneven-shard properties: DTensor layouts, ops, views."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from specs.placements import Partial, Placement
+
+DTYPES = ("float32", "float64", "bfloat16", "int64")
+# The largest magnitude a global value may have: every partial sum the placement properties
+# form stays below 256, where bfloat16 still represents every integer exactly.
+_MAX_MAGNITUDE = 64
+
+
+def partial_sum_factor(mesh_shape: tuple[int, ...], placements: tuple[Placement, ...]) -> int:
+    """Product of the sizes of the mesh axes holding ``Partial('sum')``."""
+    sizes = [m for m, p in zip(mesh_shape, placements, strict=True) if p == Partial("sum")]
+    return math.prod(sizes)
+
+
+@functools.lru_cache(maxsize=64)
+def integer_array(shape: tuple[int, ...], seed: int, *, multiple_of: int = 1) -> np.ndarray:
+    """Seeded integer-valued float64 array, every value a multiple of ``multiple_of``.
+
+    Integer values keep sums, averages over the mesh and divisions by ``multiple_of`` exact
+    in every dtype the cases use, so placement properties can compare exactly. The array is
+    read-only and memoised: every rank thread and the driver ask for the same one.
+    """
+    if multiple_of < 1:
+        raise ValueError(f"multiple_of={multiple_of!r} must be a positive int")
+    bound = max(0, _MAX_MAGNITUDE // multiple_of)
+    rng = np.random.default_rng(seed)
+    values = rng.integers(-bound, bound + 1, size=shape) * multiple_of
+    array = np.asarray(values, dtype=np.float64)  # a 0-d draw comes back as a numpy scalar
+    array.flags.writeable = False
+    return array
+
+
+@dataclass(frozen=True)
+class DistributeCase:
+    """``distribute_tensor(global, mesh(mesh_shape), placements)``."""
+
+    mesh_shape: tuple[int, ...]
+    placements: tuple[Placement, ...]
+    shape: tuple[int, ...]
+    dtype: str
+    seed: int
+    src_data_rank: int | None = 0
+    """``distribute_tensor``'s source: the group rank, on every mesh axis, whose tensor is
+    the global one; None: every rank keeps pieces of its own tensor, no communication."""
+
+    def global_array(self) -> np.ndarray:
+        # distribute_tensor divides a Partial('sum') value by the axis size: keep it exact.
+        factor = partial_sum_factor(self.mesh_shape, self.placements)
+        return integer_array(self.shape, self.seed, multiple_of=factor)
+
+    def source_rank(self) -> int | None:
+        """The rank at mesh coordinate ``(src_data_rank,) * mesh ndim``."""
+        if self.src_data_rank is None:
+            return None
+        stride = math.prod(self.mesh_shape)
+        rank = 0
+        for size in self.mesh_shape:
+            stride //= size
+            rank += self.src_data_rank * stride
+        return rank
+
+    def input_of(self, rank: int) -> np.ndarray:
+        """What ``rank`` passes to ``distribute_tensor``: the global array on the source
+        rank, another seeded array on every other rank (the source's must win)."""
+        if rank == self.source_rank():
+            return self.global_array()
+        factor = partial_sum_factor(self.mesh_shape, self.placements)
+        return integer_array(self.shape, self.seed + 1 + rank, multiple_of=factor)
+
+    def call(self) -> str:
+        source = "" if self.src_data_rank == 0 else f", src_data_rank={self.src_data_rank}"
+        return (
+            f"distribute_tensor(shape={self.shape}, dtype={self.dtype}, "
+            f"mesh={self.mesh_shape}, placements={self.placements}{source})"
+        )
+
+
+@dataclass(frozen=True)
+class OpCase:
+    """``op(distribute_tensor(...), dim, keepdim)`` for each ``(dim, keepdim)`` of
+    ``applications``, in order on the same DTensor, against the op on the global tensor."""
+
+    source: DistributeCase
+    op: str
+    applications: tuple[tuple[int, bool], ...]
+
+    def __post_init__(self) -> None:
+        if not self.applications:
+            raise ValueError(f"applications={self.applications!r} must name at least one")
+
+    def call(self, index: int | None = None) -> str:
+        chosen = self.applications if index is None else self.applications[index : index + 1]
+        calls = ", then ".join(f"{self.op}(dim={d}, keepdim={k})" for d, k in chosen)
+        return f"{calls} of {self.source.call()}"
+
+
+@dataclass(frozen=True)
+class ReshapeCase:
+    """``distribute_tensor(...).view(target)`` (or ``.reshape``) against one device's."""
+
+    source: DistributeCase
+    target: tuple[int, ...]
+    method: str
+    """``view`` or ``reshape``."""
+
+    def __post_init__(self) -> None:
+        if self.method not in ("view", "reshape"):
+            raise ValueError(f"method={self.method!r} must be 'view' or 'reshape'")
+        if math.prod(self.target) != math.prod(self.source.shape):
+            raise ValueError(
+                f"target={self.target!r} must hold the {math.prod(self.source.shape)} elements "
+                f"of shape {self.source.shape!r}"
+            )
+
+    def call(self) -> str:
+        return f"{self.method}{self.target} of {self.source.call()}"
+
+
+@dataclass(frozen=True)
+class RedistributeCase:
+    """``DTensor.from_local(model locals, mesh, src).redistribute(mesh, dst)``."""
+
+    mesh_shape: tuple[int, ...]
+    src: tuple[Placement, ...]
+    dst: tuple[Placement, ...]
+    shape: tuple[int, ...]
+    dtype: str
+    seed: int
+
+    def global_array(self) -> np.ndarray:
+        return integer_array(self.shape, self.seed)
+
+    def call(self) -> str:
+        return (
+            f"redistribute(shape={self.shape}, dtype={self.dtype}, mesh={self.mesh_shape}, "
+            f"{self.src} -> {self.dst})"
+        )

@@ -1,0 +1,94 @@
+"""Cases of the state-dict properties: what is trained, saved, reloaded and resumed."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from harness.cases.training import ParityCase
+
+SHARDED_LAYOUTS = ("fsdp", "hsdp", "fsdp_tp", "hsdp_tp")
+
+
+@dataclass(frozen=True)
+class StateDictCase:
+    """A ``fully_shard`` MLP trained ``train.steps`` steps, whose state is then taken.
+
+    ``train`` holds the layout, mesh, model, optimizer (no LR scheduler: it is no part of
+    the model or optimizer state) and the seed; the options go to every ``fully_shard``."""
+
+    train: ParityCase
+    reshard_after_forward: bool | int | None = None
+    """None: torch's default (True for inner modules, False for the root); an int is the
+    world size to reshard to after forward, a factor of the shard axis."""
+    shard_largest_dim: bool = False
+    """A ``shard_placement_fn`` sharding each parameter on its largest dim (upstream's
+    ``use_shard_placement_fn``) when the shard axis divides it, else on dim 0."""
+    offload: bool = False
+    """``CPUOffloadPolicy(pin_memory=pin_memory)``."""
+    pin_memory: bool = False
+
+    def __post_init__(self) -> None:
+        if self.train.layout not in SHARDED_LAYOUTS:
+            raise ValueError(f"train.layout={self.train.layout!r} must be one of {SHARDED_LAYOUTS}")
+        if self.train.optim.scheduler is not None:
+            raise ValueError(f"train.optim.scheduler={self.train.optim.scheduler!r} must be None")
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks on the axis ``fully_shard`` shards over."""
+        mesh = self.train.mesh_shape
+        return mesh[1] if self.train.layout in ("hsdp", "hsdp_tp") else mesh[0]
+
+    def call(self) -> str:
+        options = [f"reshard_after_forward={self.reshard_after_forward}"]
+        if self.shard_largest_dim:
+            options.append("shard_placement_fn=largest dim")
+        if self.offload:
+            options.append(f"CPUOffloadPolicy(pin_memory={self.pin_memory})")
+        return f"{self.train.call()}; fully_shard({', '.join(options)})"
+
+
+@dataclass(frozen=True)
+class ReshardCase:
+    """A checkpoint saved by ``save`` (trained ``save.train.steps`` steps) at one world size,
+    loaded into ``load``: the same model and optimizer at another layout and world size,
+    freshly initialised from another seed (so a load that does nothing shows)."""
+
+    save: StateDictCase
+    load: StateDictCase
+
+    def call(self) -> str:
+        load = self.load.train
+        return (
+            f"save: {self.save.call()} -> load at world size {math.prod(load.mesh_shape)}: "
+            f"{load.layout}(mesh={load.mesh_shape})"
+        )
+
+
+@dataclass(frozen=True)
+class ResumeCase:
+    """Train, checkpoint, reload (maybe at another world size) as ``actions`` say.
+
+    ``actions`` are ``("train", k)``, ``("checkpoint", 0)``, ``("reload", 0)`` and
+    ``("resize", m)`` (reload the latest checkpoint at world size ``m``); see
+    ``specs.resume``. ``layouts`` maps each world size used to its layout and mesh."""
+
+    base: StateDictCase
+    start: int
+    """The world size training starts at."""
+    actions: tuple[tuple[str, int], ...]
+    layouts: tuple[tuple[int, str, tuple[int, ...]], ...]
+
+    def at(self, world_size: int) -> StateDictCase:
+        """The base case on ``world_size`` ranks, with that size's layout and mesh."""
+        for size, layout, mesh in self.layouts:
+            if size == world_size:
+                train = replace(self.base.train, layout=layout, mesh_shape=mesh)
+                return replace(self.base, train=train)
+        raise ValueError(f"world_size={world_size!r} has no layout in {self.layouts}")
+
+    def call(self) -> str:
+        steps = " ".join(f"{a}({n})" if a in ("train", "resize") else a for a, n in self.actions)
+        meshes = ", ".join(f"{n}: {layout}{mesh}" for n, layout, mesh in self.layouts)
+        return f"{self.base.call()}; start at {self.start} rank(s): {steps} [{meshes}]"

@@ -1,0 +1,220 @@
+"""Cases of the tensor-parallel properties: TP plans, tied weights, loss_parallel, a
+Transformer. Training cases wrap a ``ParityCase``, as HSDP's do."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harness.cases.training import ParityCase
+from harness.errors import check_one_of
+from specs.placements import Partial, Placement, Replicate, Shard
+
+
+@dataclass(frozen=True)
+class TPCase:
+    """Colwise/Rowwise tensor parallelism of the MLP ``training.dims`` (two Linears) over all
+    ranks, with or without sequence parallelism, trained as ``training`` says.
+
+    ``training`` is a ParityCase of layout ``fsdp_tp`` on mesh ``(1, tp)``: FSDP+TP without
+    data parallelism, which is plain TP; every rank's batch is the global batch of
+    ``training.batch_per_rank`` rows, split by rows over the ranks under sequence
+    parallelism.
+    """
+
+    sequence_parallel: bool
+    training: ParityCase
+
+    def __post_init__(self) -> None:
+        check_one_of("training.layout", self.training.layout, ("fsdp_tp",))
+        dp, tp = self.training.mesh_shape
+        if dp != 1 or len(self.training.dims) != 3:
+            raise ValueError(
+                f"training={self.training!r} must be a two-Linear MLP on a (1, tp) mesh"
+            )
+        if self.sequence_parallel and self.training.batch_per_rank % tp:
+            raise ValueError(
+                f"batch_per_rank={self.training.batch_per_rank!r} must split evenly over "
+                f"tp={tp} under sequence parallelism"
+            )
+
+    @property
+    def tp(self) -> int:
+        return self.training.mesh_shape[1]
+
+    def call(self) -> str:
+        t = self.training
+        plan = "sequence-parallel " if self.sequence_parallel else ""
+        return (
+            f"{plan}Colwise/Rowwise TP over {self.tp} rank(s), MLP{t.dims} bias={t.bias} "
+            f"{t.dtype}, batch {t.batch_per_rank}, {t.steps} step(s) of {t.optim.describe()}"
+        )
+
+
+@dataclass(frozen=True)
+class TiedCase:
+    """Embedding(vocab, dim) (Colwise) feeding Linear(dim, vocab) (Rowwise), weights tied."""
+
+    vocab: int
+    dim: int
+    tokens: int
+    dtype: str
+    seed: int
+
+    def call(self) -> str:
+        return (
+            f"Embedding({self.vocab}, {self.dim}) -> Linear({self.dim}, {self.vocab}), "
+            f"fc.weight = embedding.weight, {self.tokens} token(s), {self.dtype}"
+        )
+
+
+LOSS_REDUCTIONS = ("none", "mean", "sum")
+
+
+@dataclass(frozen=True)
+class LossCase:
+    """``F.cross_entropy`` under ``loss_parallel()`` of an input of ``shape`` (batch, classes
+    [, extra]) distributed over a mesh of ``mesh_shape``.
+
+    ``placements`` has one entry per mesh axis: an int shards that tensor dim, None
+    replicates, ``"partial"`` holds a ``Partial('sum')`` contribution; the target gets the
+    input's placements with the class dim removed (Replicate on the axis that shards
+    classes), as a DTensor unless ``target_plain``.
+    """
+
+    mesh_shape: tuple[int, ...]
+    placements: tuple[int | str | None, ...]
+    shape: tuple[int, ...]
+    weighted: bool
+    reduction: str
+    replicated_grad_output: bool
+    """Backward through ``torch.autograd.grad`` with a fully replicated ``grad_output``
+    instead of ``loss.sum().backward()`` (reduction ``none``)."""
+    dtype: str
+    seed: int
+    target_plain: bool = False
+
+    def __post_init__(self) -> None:
+        check_one_of("reduction", self.reduction, LOSS_REDUCTIONS)
+        for p in self.placements:
+            if not (p is None or p == "partial" or (isinstance(p, int) and p >= 0)):
+                raise ValueError(f"placements={self.placements!r} holds {p!r}")
+        if len(self.placements) != len(self.mesh_shape):
+            raise ValueError(
+                f"placements={self.placements!r} must name one placement per mesh axis "
+                f"of {self.mesh_shape!r}"
+            )
+
+    @property
+    def classes(self) -> int:
+        return self.shape[1]
+
+    def spec_placements(self) -> tuple[Placement, ...]:
+        """The placements in the reference model's spelling."""
+        return tuple(
+            Replicate() if p is None else Partial("sum") if p == "partial" else Shard(int(p))
+            for p in self.placements
+        )
+
+    def call(self) -> str:
+        names = ", ".join(_placement_name(p) for p in self.placements)
+        weight = ", weight" if self.weighted else ""
+        grad = ", replicated grad_output" if self.replicated_grad_output else ""
+        target = ", plain target" if self.target_plain else ""
+        return (
+            f"loss_parallel: cross_entropy(input {self.shape} {self.dtype} on mesh "
+            f"{self.mesh_shape} [{names}]{weight}{target}, reduction={self.reduction!r}{grad})"
+        )
+
+
+def _placement_name(p: int | str | None) -> str:
+    if p is None:
+        return "Replicate()"
+    return "Partial('sum')" if p == "partial" else f"Shard({p})"
+
+
+def transformer_param_names(n_layers: int, weight_tying: bool) -> tuple[str, ...]:
+    """``named_parameters()`` of ``harness.torchkit.models.Transformer``, in registration order (a
+    tied output weight is the token embedding's)."""
+    block = (
+        "attention_norm.weight",
+        "attention_norm.bias",
+        "attention.wq.weight",
+        "attention.wk.weight",
+        "attention.wv.weight",
+        "attention.wo.weight",
+        "ffn_norm.weight",
+        "ffn_norm.bias",
+        "feed_forward.w1.weight",
+        "feed_forward.w1.bias",
+        "feed_forward.w2.weight",
+        "feed_forward.w2.bias",
+    )
+    names = ["tok_embeddings.weight", "pos_embeddings.weight"]
+    names += [f"layers.{i}.{name}" for i in range(n_layers) for name in block]
+    names += ["norm.weight", "norm.bias"]
+    if not weight_tying:
+        names.append("output.weight")
+    return tuple(names)
+
+
+@dataclass(frozen=True)
+class TransformerCase:
+    """``harness.torchkit.models.Transformer`` under upstream's tensor-parallel plan over ``tp``
+    ranks (with or without sequence parallelism), trained ``steps`` steps of Adam on the
+    sum of its output; only the ``trainable`` parameters require grad (None: all)."""
+
+    sequence_parallel: bool
+    tp: int
+    vocab: int
+    dim: int
+    n_heads: int
+    n_layers: int
+    seq_len: int
+    batch: int
+    weight_tying: bool
+    trainable: tuple[str, ...] | None
+    lr: float
+    foreach: bool
+    steps: int
+    dtype: str
+    seed: int
+    eps: float = 1e-3
+    """Adam's eps: a rounding difference in a gradient moves Adam's first update by at
+    most ``lr / eps`` times as much (at torch's 1e-8, near-zero gradients turn any
+    difference into a jump of up to ``2 * lr``)."""
+
+    def __post_init__(self) -> None:
+        problems = [
+            (self.n_heads % self.tp, "n_heads must split evenly over tp ranks"),
+            (self.dim % self.n_heads, "dim must be a multiple of n_heads"),
+            (self.vocab % self.tp, "vocab must split evenly over tp ranks"),
+            (self.sequence_parallel and self.seq_len % self.tp, "seq_len must split over tp"),
+        ]
+        for broken, why in problems:
+            if broken:
+                raise ValueError(f"{why}: {self!r}")
+        names = transformer_param_names(self.n_layers, self.weight_tying)
+        if self.trainable is not None and not set(self.trainable) <= set(names):
+            raise ValueError(f"trainable={self.trainable!r} names parameters not in {names}")
+
+    @property
+    def max_seq_len(self) -> int:
+        """The position table: ``seq_len`` rounded up to split evenly (and not down to one
+        row) over the TP degree, as the Rowwise position embedding of upstream's plan
+        assumes."""
+        rows = max(2, self.tp)
+        return rows * -(-self.seq_len // rows)
+
+    def requires_grad(self, name: str) -> bool:
+        return self.trainable is None or name in self.trainable
+
+    def call(self) -> str:
+        plan = "sequence-parallel " if self.sequence_parallel else ""
+        tied = ", tied output" if self.weight_tying else ""
+        frozen = "" if self.trainable is None else f", trainable only {list(self.trainable)}"
+        return (
+            f"{plan}TP over {self.tp} rank(s) of Transformer(vocab={self.vocab}, "
+            f"dim={self.dim}, heads={self.n_heads}, layers={self.n_layers}{tied}) "
+            f"{self.dtype}, tokens ({self.batch}, {self.seq_len}), {self.steps} step(s) of "
+            f"Adam(lr={self.lr}, eps={self.eps}, foreach={self.foreach}){frozen}"
+        )

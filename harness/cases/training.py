@@ -1,0 +1,237 @@
+"""Cases of the optimizer-parity and ZeRO properties: models, optimizers, training layouts."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from specs.placements import Placement
+
+
+@dataclass(frozen=True)
+class MLPCase:
+    """A Linear/ReLU stack trained for one optimizer step, sharded or on one device."""
+
+    dims: tuple[int, ...]
+    """Feature sizes, input first: ``(4, 3, 2)`` is Linear(4, 3), ReLU, Linear(3, 2)."""
+    bias: bool
+    shard_layers: bool
+    """``fully_shard`` each Linear before the root (several groups) or only the root."""
+    batch_per_rank: int
+    lr: float
+    momentum: float
+    dtype: str
+    seed: int
+
+    def call(self) -> str:
+        return (
+            f"fully_shard(MLP{self.dims}, bias={self.bias}, shard_layers={self.shard_layers}) "
+            f"+ SGD(lr={self.lr}, momentum={self.momentum}), batch {self.batch_per_rank}/rank, "
+            f"{self.dtype}"
+        )
+
+
+OPTIMIZERS = ("SGD", "Adam", "AdamW")
+IMPLEMENTATIONS = ("default", "foreach", "fused")
+LAYOUTS = ("fsdp", "hsdp", "fsdp_tp", "hsdp_tp", "ddp", "zero")
+TP_LAYOUTS = ("fsdp_tp", "hsdp_tp")
+"""Layouts whose last mesh axis is tensor-parallel (a Colwise/Rowwise two-layer MLP)."""
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """A ``torch.optim`` optimizer, its implementation and hyper-parameters, an optional
+    second parameter group (the biases) with other hyper-parameters, an optional StepLR."""
+
+    name: str
+    impl: str
+    lr: float
+    options: tuple[tuple[str, Any], ...] = ()
+    second_group: tuple[tuple[str, Any], ...] | None = None
+    scheduler: tuple[int, float] | None = None
+    """``(step_size, gamma)`` of a ``StepLR``."""
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"name={self.name!r} must be one of {OPTIMIZERS}")
+        if self.impl not in IMPLEMENTATIONS:
+            raise ValueError(f"impl={self.impl!r} must be one of {IMPLEMENTATIONS}")
+
+    def kwargs(self) -> dict[str, Any]:
+        """Constructor keyword arguments (the first group's hyper-parameters)."""
+        chosen = {"lr": self.lr, **dict(self.options)}
+        if self.impl != "default":
+            chosen[self.impl] = True
+        return chosen
+
+    def describe(self) -> str:
+        options = ", ".join(f"{k}={v}" for k, v in self.kwargs().items())
+        extra = f", biases: {dict(self.second_group)}" if self.second_group else ""
+        lr_steps = f", StepLR{self.scheduler}" if self.scheduler else ""
+        return f"{self.name}({options}){extra}{lr_steps}"
+
+
+@dataclass(frozen=True)
+class ParityCase:
+    """Train an MLP for ``steps`` steps under ``layout`` and on one device, then compare."""
+
+    layout: str
+    mesh_shape: tuple[int, ...]
+    """``(world,)`` for fsdp/ddp/zero; ``(replicate, shard)`` for hsdp; ``(dp, tp)`` for
+    fsdp_tp; ``(replicate, shard, tp)`` for hsdp_tp."""
+    dims: tuple[int, ...]
+    bias: bool
+    batch_per_rank: int
+    dtype: str
+    optim: OptimConfig
+    steps: int
+    mixed_precision: bool
+    """FSDP's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``."""
+    seed: int
+    micro_batches: int = 1
+    """Each data-parallel rank's rows of a step split into this many equal micro-batches,
+    gradients accumulated without a gradient sync until the last one."""
+    sync_each_micro_batch: bool = False
+    """Sync (reduce) the gradients after every micro-batch, accumulating the reduced ones."""
+    clip_norm: float | None = None
+    """``clip_grad_norm_`` of all parameters to this total norm before each step."""
+    clip_norm_type: float = 2.0
+    """The norm ``clip_grad_norm_`` measures (2, 1 or inf)."""
+    wrapper_options: tuple[tuple[str, Any], ...] = ()
+    """Keyword arguments of the DDP constructor (ddp, zero) or of every ``fully_shard``."""
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout={self.layout!r} must be one of {LAYOUTS}")
+        if self.micro_batches < 1 or self.batch_per_rank % self.micro_batches:
+            raise ValueError(
+                f"micro_batches={self.micro_batches!r} must be >= 1 and divide "
+                f"batch_per_rank={self.batch_per_rank!r}"
+            )
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that see different data: all but the tensor-parallel axis."""
+        tp = self.mesh_shape[-1] if self.layout in TP_LAYOUTS else 1
+        return math.prod(self.mesh_shape) // tp
+
+    def call(self) -> str:
+        precision = ", bf16 params/fp32 reduce" if self.mixed_precision else ""
+        synced = ", each synced" if self.sync_each_micro_batch else ""
+        micro = f" in {self.micro_batches} micro-batches{synced}" if self.micro_batches > 1 else ""
+        clip = (
+            f", clip_grad_norm_({self.clip_norm}, norm_type={self.clip_norm_type})"
+            if self.clip_norm is not None
+            else ""
+        )
+        options = ", ".join(f"{k}={v}" for k, v in self.wrapper_options)
+        return (
+            f"{self.layout}({options}{', ' if options else ''}mesh={self.mesh_shape}) "
+            f"MLP{self.dims} bias={self.bias} "
+            f"{self.dtype}{precision}, {self.steps} step(s) of {self.optim.describe()}{clip}, "
+            f"batch {self.batch_per_rank}/data-parallel rank{micro}"
+        )
+
+
+@dataclass(frozen=True)
+class ParamsCase:
+    """Free-standing parameters of ``shapes`` (seeded, float64) stepped by an optimizer with
+    seeded gradients that are the same on every rank (as if already averaged)."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    optim: OptimConfig
+    steps: int
+    seed: int
+    lr_after_load: float = 0.5
+    """The lr a second optimizer is built with before it loads the first one's state."""
+    steps_after: int = 1
+    recipient: int = 0
+    """The rank ``consolidate_state_dict`` gathers the state on."""
+
+    def call(self) -> str:
+        return (
+            f"{self.optim.describe()} on params {list(self.shapes)}, {self.steps} step(s), "
+            f"state to rank {self.recipient}, reload with lr={self.lr_after_load}, "
+            f"{self.steps_after} more step(s)"
+        )
+
+
+@dataclass(frozen=True)
+class StepCase:
+    """Parameters of ``shapes`` laid out by ``placements`` (one tuple per parameter, one
+    placement per mesh axis; plain tensors on every rank when None) stepped ``steps`` times
+    by ``optim`` with seeded gradients that are the same on every rank."""
+
+    mesh_shape: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    placements: tuple[tuple[Placement, ...], ...] | None
+    dtype: str
+    optim: OptimConfig
+    steps: int
+    seed: int
+
+    def params(self) -> list[np.ndarray]:
+        """The initial parameters, rounded to ``dtype`` and held in float64."""
+        rng = np.random.default_rng([self.seed, 0])
+        return [self._rounded(rng.uniform(-1.0, 1.0, size=shape)) for shape in self.shapes]
+
+    def grads(self, step: int) -> list[np.ndarray]:
+        """The gradients of ``step``, rounded to ``dtype`` and held in float64."""
+        rng = np.random.default_rng([self.seed, step + 1])
+        return [self._rounded(rng.uniform(-1.0, 1.0, size=shape)) for shape in self.shapes]
+
+    def _rounded(self, array: np.ndarray) -> np.ndarray:
+        return np.asarray(array, dtype=self.dtype).astype(np.float64)
+
+    def call(self) -> str:
+        layout = (
+            "plain tensors"
+            if self.placements is None
+            else f"DTensors on mesh {self.mesh_shape} with placements {list(self.placements)}"
+        )
+        return (
+            f"{self.steps} step(s) of {self.optim.describe()} on {self.dtype} params "
+            f"{list(self.shapes)} as {layout}"
+        )
+
+
+@dataclass(frozen=True)
+class PartitionCase:
+    """Parameter groups of these element counts; optionally one group added afterwards."""
+
+    groups: tuple[tuple[int, ...], ...]
+    added: tuple[int, ...] | None
+
+    def all_groups(self) -> tuple[tuple[int, ...], ...]:
+        return self.groups if self.added is None else (*self.groups, self.added)
+
+
+@dataclass(frozen=True)
+class OverlapCase:
+    """DDP with a ZeRO step inside its communication hook, against DDP and a local SGD."""
+
+    dims: tuple[int, ...]
+    inputs: int
+    interleaved: bool
+    gradient_as_bucket_view: bool
+    static_graph: bool
+    shard_buckets: bool
+    seed: int
+    bias: bool = True
+    dtype: str = "float64"
+
+
+@dataclass(frozen=True)
+class JoinCase:
+    """Uneven inputs: rank r trains on ``inputs + r`` batches for ``epochs`` epochs."""
+
+    dims: tuple[int, ...]
+    inputs: int
+    epochs: int
+    lr: float
+    seed: int
+    bias: bool = True
+    dtype: str = "float64"

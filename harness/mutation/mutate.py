@@ -1,0 +1,338 @@
+"""``python -m harness mutate``: the detection score of the suites against the fault catalogue.
+
+One clean run (it must have no unexpected outcome, or the score is void), and one run per
+fault with the fault injected (``--distconf-faults``): the suites of the fault's area on
+their own first, then, if they did not catch it, the others. With ``--jobs N`` the clean run is
+split into one run per suite and N runs go at once, clean suites first: a fault run that
+would start after a clean suite failed is not started. A fault run starts with the suites of
+the fault's area and stops at the first failure: the fault is *caught* by the spec that
+failed, after the time and the number of examples the record says, with the shrunk
+counterexample hypothesis printed. Every run is a ``python -m harness run`` process of its
+own (forked from one that already imported torch: ``harness.mutation.launcher``) with its own
+results directory, so a fault can never leak into another run, and
+``mutation.json`` is rewritten after every run: an interrupted command keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness import catalogue, faults
+from harness.mutation import launcher
+from harness.results import UNEXPECTED, read_results
+
+SCHEMA = 1
+CAUGHT = ("failed", "error", "timeout", "crashed", "xpassed")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """What every run of one mutate command shares."""
+
+    runner: str
+    device: str
+    profile: str
+    world_sizes: str
+    rank_timeout: float
+    suites: tuple[str, ...]
+    """The suites to run (all when empty)."""
+    fault_files: tuple[str, ...] = ()
+    """Python files adding faults to the catalogue (``harness.faults.load_files``)."""
+
+
+@dataclass
+class FaultResult:
+    fault: str
+    area: str
+    bug_class: str
+    summary: str
+    caught: bool
+    specs: list[str] = field(default_factory=list)
+    """The specs whose tests failed under the fault."""
+    test: str | None = None
+    """The first failing test."""
+    status: str | None = None
+    seconds_to_detect: float | None = None
+    """Suite time until the first failing example: the earlier tests' durations plus the
+    failing test's time to its first failing example (shrinking excluded)."""
+    examples_to_detect: int | None = None
+    counterexample: str | None = None
+    wall_seconds: float = 0.0
+    """The whole fault run: process start, collection, detection and shrinking."""
+    problem: str | None = None
+    """Why the run says nothing about the fault (it could not start, wrote no results)."""
+
+
+@dataclass
+class Mutation:
+    config: dict[str, Any]
+    clean: dict[str, Any] | None = None
+    results: list[FaultResult] = field(default_factory=list)
+    void: str | None = None
+    finished: bool = False
+
+    @property
+    def score(self) -> tuple[int, int]:
+        return sum(r.caught for r in self.results), len(self.results)
+
+    def write(self, path: Path) -> None:
+        caught, total = self.score
+        data = {
+            "schema": SCHEMA,
+            **asdict(self),
+            "score": {"caught": caught, "faults": total},
+        }
+        path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def suite_phases(
+    area: str, available: Sequence[str], specs: dict[str, catalogue.Spec]
+) -> tuple[list[str], list[str]]:
+    """``available`` split in two: the suites that hold specs of ``area``, and the rest."""
+    first = list(dict.fromkeys(s.suite for s in specs.values() if s.area == area))
+    return [s for s in first if s in available], [s for s in available if s not in first]
+
+
+def detection_order(world_sizes: str) -> str:
+    """``world_sizes`` with size 1 last: the plugin runs every test of a size before the
+    next size, a distributed fault rarely shows on one rank, and a fault run stops at its
+    first failure (``"1,2,3,4"`` -> ``"2,3,4,1"``)."""
+    sizes = [s for s in world_sizes.split(",") if s]
+    return ",".join([s for s in sizes if s.strip() != "1"] + [s for s in sizes if s.strip() == "1"])
+
+
+def _run_command(
+    config: RunConfig,
+    out: Path,
+    suites: Sequence[str],
+    extra: Sequence[str],
+    *,
+    world_sizes: str | None = None,
+) -> list[str]:
+    command = [
+        "run",
+        f"--runner={config.runner}",
+        f"--device={config.device}",
+        f"--profile={config.profile}",
+        f"--world-sizes={world_sizes or config.world_sizes}",
+        f"--rank-timeout={config.rank_timeout}",
+        f"--out={out}",
+    ]
+    command += [f"--suite={suite}" for suite in suites]
+    return [*command, "--", *extra]
+
+
+def _launch(command: list[str], log: Path) -> tuple[int, float]:
+    """``python -m harness *command`` in a process of its own; exit code and seconds."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    code = launcher.run(command, log)
+    return code, time.perf_counter() - started
+
+
+def _tests(out: Path) -> list[dict[str, Any]]:
+    return [
+        record for path in sorted(out.glob("results*.jsonl")) for record in read_results(path).tests
+    ]
+
+
+def clean_run(config: RunConfig, out: Path, suites: Sequence[str]) -> dict[str, Any]:
+    """Run the suites without faults; report whether the run can anchor a score."""
+    code, seconds = _launch(_run_command(config, out, suites, ()), out / "log.txt")
+    tests = _tests(out)
+    unexpected = [r for r in tests if r.get("status") in UNEXPECTED]
+    return {
+        "exit_code": code,
+        "seconds": round(seconds, 1),
+        "tests": len(tests),
+        "unexpected": [f"{r['nodeid']}: {r['status']}" for r in unexpected],
+        "results": str(out),
+    }
+
+
+def fault_run(
+    fault: faults.Fault,
+    config: RunConfig,
+    out: Path,
+    phases: Sequence[Sequence[str]],
+    *,
+    cheap_first: Path | None = None,
+) -> FaultResult:
+    """Run each phase's suites with ``fault`` injected, stopping at the first failure.
+
+    The fault's area suites go first in a run of their own: within one run the plugin takes
+    every suite at a world size before the next size, and most faults only show from world
+    size 2 on, so one run of all suites would pass through every suite at size 1 first.
+    ``cheap_first``: the clean run's results, so that within a world size the tests it
+    timed fastest go first."""
+    extra: tuple[str, ...] = (f"--distconf-faults={fault.id}", "--exitfirst")
+    if cheap_first is not None:
+        extra += (f"--distconf-cheap-first={cheap_first}",)
+    if config.fault_files:
+        extra += (f"--distconf-fault-files={','.join(config.fault_files)}",)
+    result = _uncaught(fault)
+    tests: list[dict[str, Any]] = []
+    for number, suites in enumerate((p for p in phases if p), start=1):
+        where = out / f"phase-{number}"
+        command = _run_command(
+            config, where, suites, extra, world_sizes=detection_order(config.world_sizes)
+        )
+        code, seconds = _launch(command, where / "log.txt")
+        result.wall_seconds = round(result.wall_seconds + seconds, 1)
+        found = _tests(where)
+        if not found:
+            result.problem = (
+                f"the run wrote no test records (exit code {code}); see {where / 'log.txt'}"
+            )
+            return result
+        tests += found
+        if any(record.get("status") in CAUGHT for record in found):
+            break
+    _note_detection(result, tests)
+    return result
+
+
+def _note_detection(result: FaultResult, tests: list[dict[str, Any]]) -> None:
+    elapsed = 0.0
+    for record in tests:
+        if record.get("status") not in CAUGHT:
+            elapsed += record.get("duration") or 0.0
+            continue
+        if not result.caught:
+            result.caught = True
+            result.test = record["nodeid"]
+            result.status = record["status"]
+            to_failure = record.get("seconds_to_failure")
+            elapsed += to_failure if to_failure is not None else record.get("duration") or 0.0
+            result.seconds_to_detect = round(elapsed, 2)
+            result.examples_to_detect = record.get("examples_to_failure")
+            result.counterexample = record.get("falsifying_example") or record.get("error")
+        if record.get("spec") and record["spec"] not in result.specs:
+            result.specs.append(record["spec"])
+
+
+def mutate(
+    config: RunConfig,
+    fault_ids: Sequence[str],
+    out: Path,
+    *,
+    jobs: int = 1,
+) -> Mutation:
+    """The clean run and every fault; ``out/mutation.json`` is kept current throughout."""
+    faults.load_files(config.fault_files)
+    selected = faults.select(fault_ids or list(faults.FAULTS))
+    specs = catalogue.load()
+    available = list(config.suites) or sorted({s.suite for s in specs.values()})
+    mutation = Mutation(config={**asdict(config), "faults": [f.id for f in selected], "jobs": jobs})
+    (out / "clean").mkdir(parents=True, exist_ok=True)
+    table = out / "mutation.json"
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        clean_parts = [
+            pool.submit(clean_run, config, out / "clean" / suite, (suite,))
+            for suite in longest_first(available)
+        ]
+
+        def one(fault: faults.Fault) -> FaultResult:
+            if any(part.done() and not _passed(part.result()) for part in clean_parts):
+                result = _uncaught(fault)
+                result.problem = "not run: a clean suite run failed before this fault's run"
+                return result
+            phases = suite_phases(fault.area, available, specs)
+            return fault_run(
+                fault, config, out / "faults" / fault.id, phases, cheap_first=out / "clean"
+            )
+
+        width = _fault_width(fault.id for fault in selected)
+        for result in pool.map(one, selected):
+            mutation.results.append(result)
+            mutation.clean = _merged([p.result() for p in clean_parts if p.done()], out / "clean")
+            mutation.write(table)
+            print(_row(result, width), flush=True)
+        mutation.clean = _merged([p.result() for p in clean_parts], out / "clean")
+    if not _passed(mutation.clean):
+        mutation.void = (
+            f"the clean run did not pass (exit code {mutation.clean['exit_code']}, "
+            f"{len(mutation.clean['unexpected'])} unexpected outcome(s)): a fault cannot be "
+            "told from a failure that is already there"
+        )
+    mutation.finished = True
+    mutation.write(table)
+    return mutation
+
+
+# Clean-run seconds of each suite (threads, CPU, world sizes 1-4, ci profile, 2026-11-24):
+# the longest start first, so that the short fault runs fill the gaps instead of a long
+# suite starting last. Only an order: a suite missing here goes after these.
+_CLEAN_SECONDS = {
+    "tp": 496,
+    "optim_parity": 419,
+    "state_dict": 320,
+    "hsdp": 286,
+    "fsdp_init": 254,
+    "zero": 123,
+    "uneven": 49,
+    "placements": 43,
+}
+
+
+def longest_first(suites: Sequence[str]) -> list[str]:
+    return sorted(suites, key=lambda suite: -_CLEAN_SECONDS.get(suite, 0))
+
+
+def _passed(clean: dict[str, Any]) -> bool:
+    return clean["exit_code"] == 0 and not clean["unexpected"]
+
+
+def _merged(parts: list[dict[str, Any]], out: Path) -> dict[str, Any]:
+    """One clean-run entry for the per-suite clean runs finished so far."""
+    return {
+        "exit_code": next((p["exit_code"] for p in parts if p["exit_code"] != 0), 0),
+        "seconds": round(sum(p["seconds"] for p in parts), 1),
+        "tests": sum(p["tests"] for p in parts),
+        "unexpected": [entry for p in parts for entry in p["unexpected"]],
+        "results": str(out),
+        "suite_runs": len(parts),
+    }
+
+
+def _uncaught(fault: faults.Fault) -> FaultResult:
+    return FaultResult(
+        fault=fault.id,
+        area=fault.area,
+        bug_class=fault.bug_class,
+        summary=fault.summary,
+        caught=False,
+    )
+
+
+def _fault_width(ids: Iterable[str]) -> int:
+    return max([38, *map(len, ids)])
+
+
+def _row(result: FaultResult, width: int) -> str:
+    verdict = "NO RESULT" if result.problem else "caught" if result.caught else "SURVIVED"
+    detect = (
+        f"{result.seconds_to_detect:>8.1f}s {result.examples_to_detect or '-':>5}"
+        if result.caught and result.seconds_to_detect is not None
+        else f"{'-':>9} {'-':>5}"
+    )
+    specs = ", ".join(result.specs) or result.problem or "-"
+    return f"{result.fault:<{width}} {verdict:<9} {detect} {result.wall_seconds:>7.1f}s  {specs}"
+
+
+def print_table(mutation: Mutation) -> None:
+    width = _fault_width(result.fault for result in mutation.results)
+    print(f"\n{'fault':<{width}} {'verdict':<9} {'detect':>9} {'ex.':>5} {'run':>8}  caught by")
+    for result in mutation.results:
+        print(_row(result, width))
+    caught, total = mutation.score
+    if mutation.void:
+        print(f"score: VOID — {mutation.void}")
+    else:
+        print(f"score: {caught}/{total} faults caught")

@@ -1,0 +1,129 @@
+"""Bridges between DTensor and the torch-free reference models, for use on ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import Partial as TorchPartial
+from torch.distributed.tensor import Replicate as TorchReplicate
+from torch.distributed.tensor import Shard as TorchShard
+from torch.distributed.tensor.placement_types import Placement as TorchPlacement
+
+from harness.cases.placements import DistributeCase
+from harness.torchkit.context import RankContext
+from specs.placements import Coord, Partial, Placement, Replicate, Shard
+
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in TORCH_DTYPES:
+        raise ValueError(f"dtype={name!r} must be one of {tuple(TORCH_DTYPES)}")
+    return TORCH_DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def to_torch_placements(placements: Sequence[Placement]) -> tuple[TorchPlacement, ...]:
+    converted: list[TorchPlacement] = []
+    for p in placements:
+        if isinstance(p, Shard):
+            converted.append(TorchShard(p.dim))
+        elif isinstance(p, Replicate):
+            converted.append(TorchReplicate())
+        else:
+            converted.append(TorchPartial(p.reduce_op))
+    return tuple(converted)
+
+
+def from_torch_placements(placements: Sequence[TorchPlacement]) -> tuple[Placement | str, ...]:
+    """The model's spelling of plain placements; any other kind is kept as its repr."""
+    converted: list[Placement | str] = []
+    for p in placements:
+        if type(p) is TorchShard:
+            converted.append(Shard(p.dim))
+        elif type(p) is TorchReplicate:
+            converted.append(Replicate())
+        elif type(p) is TorchPartial:
+            converted.append(Partial(p.reduce_op))
+        else:
+            converted.append(repr(p))
+    return tuple(converted)
+
+
+def tensor_from(array: np.ndarray, dtype: str, device: torch.device) -> torch.Tensor:
+    """``array`` as a tensor of ``dtype`` on ``device`` (exact for the integer-valued cases).
+
+    Copied into a fresh ``torch.empty`` so the strides are torch's own for the shape: numpy
+    gives empty arrays strides torch would not (``from_numpy`` of a (0,) array has stride 0).
+    """
+    values = np.asarray(array)
+    tensor = torch.empty(values.shape, dtype=torch_dtype(dtype), device=device)
+    return tensor.copy_(torch.from_numpy(values.copy()))
+
+
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A host copy; bfloat16 widens to float32, which represents every bfloat16 exactly."""
+    host = tensor.detach().cpu()
+    if host.dtype == torch.bfloat16:
+        host = host.float()
+    return host.numpy().copy()
+
+
+@dataclass(frozen=True)
+class DTensorView:
+    """What one rank holds of a DTensor, in plain values the driver can compare."""
+
+    rank: int
+    coord: Coord
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    placements: tuple[Placement | str, ...]
+    dtype: str
+    local_dtype: str
+    local: np.ndarray
+    full: np.ndarray | None
+
+
+def view_of(tensor: torch.Tensor | None, rank: int, *, with_full: bool = True) -> DTensorView:
+    """Snapshot ``tensor`` on this rank; ``with_full`` gathers ``full_tensor()`` (a collective).
+
+    Anything but a DTensor fails the check: a parameter or gradient that should be sharded
+    and is not is a conformance failure, not a harness error.
+    """
+    if not isinstance(tensor, DTensor):
+        raise AssertionError(f"rank {rank}: got {type(tensor).__name__}, should be a DTensor")
+    local = tensor.to_local()
+    full = to_numpy(tensor.full_tensor()) if with_full else None
+    coord = tuple(int(c) for c in (tensor.device_mesh.get_coordinate() or ()))
+    return DTensorView(
+        rank=rank,
+        coord=coord,
+        shape=tuple(tensor.shape),
+        stride=tuple(tensor.stride()),
+        placements=from_torch_placements(tensor.placements),
+        dtype=dtype_name(tensor.dtype),
+        local_dtype=dtype_name(local.dtype),
+        local=to_numpy(local),
+        full=full,
+    )
+
+
+def distribute(ctx: RankContext, case: DistributeCase) -> DTensor:
+    """``distribute_tensor`` of the case's input on this rank over its mesh and placements."""
+    mesh = ctx.mesh(case.mesh_shape)
+    tensor = tensor_from(case.input_of(ctx.rank), case.dtype, ctx.device)
+    return distribute_tensor(
+        tensor, mesh, to_torch_placements(case.placements), src_data_rank=case.src_data_rank
+    )

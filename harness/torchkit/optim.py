@@ -1,0 +1,158 @@
+"""Optimizers from an ``OptimConfig``, and the single-device reference training loop.
+
+The reference is the library's own single-device implementation: the same model, the same
+``torch.optim`` optimizer and the *global* batch on one device (CUDA when present: the
+library's own CUDA kernels, foreach and fused; else CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harness.cases.training import OptimConfig, ParityCase
+from harness.torchkit.dtensor import tensor_from, to_numpy
+from harness.torchkit.models import build_mlp
+
+
+def param_groups(model: nn.Module, config: OptimConfig) -> list[dict[str, Any]]:
+    """One group, or two when ``config.second_group`` is set and the model has more than
+    one layer: the last Linear's parameters get the second group's hyper-parameters."""
+    named = list(model.named_parameters())
+    last = _last_linear_prefix(named)
+    rest = [p for n, p in named if not n.startswith(last)]
+    tail = [p for n, p in named if n.startswith(last)]
+    if config.second_group is None or not rest or not tail:
+        return [{"params": [p for _, p in named]}]
+    return [{"params": rest}, {"params": tail, **dict(config.second_group)}]
+
+
+def _last_linear_prefix(named: Sequence[tuple[str, torch.Tensor]]) -> str:
+    last_weight = [n for n, p in named if n.endswith("weight")][-1]
+    return last_weight.removesuffix("weight")
+
+
+def build_optimizer(config: OptimConfig, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    cls = getattr(torch.optim, config.name)
+    optimizer: torch.optim.Optimizer = cls(groups, **config.kwargs())
+    return optimizer
+
+
+def build_scheduler(
+    config: OptimConfig, optimizer: torch.optim.Optimizer
+) -> torch.optim.lr_scheduler.StepLR | None:
+    if config.scheduler is None:
+        return None
+    step_size, gamma = config.scheduler
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=step_size, gamma=gamma)
+
+
+def step_batch(case: ParityCase, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """Inputs and targets of the global batch of ``step``; data-parallel rank ``d`` trains on
+    rows ``d*b:(d+1)*b``."""
+    rng = np.random.default_rng([case.seed, step])
+    rows = case.data_parallel * case.batch_per_rank
+    return (
+        rng.uniform(-1.0, 1.0, size=(rows, case.dims[0])),
+        rng.uniform(-1.0, 1.0, size=(rows, case.dims[-1])),
+    )
+
+
+def rows_of(case: ParityCase, dp_rank: int) -> slice:
+    return slice(dp_rank * case.batch_per_rank, (dp_rank + 1) * case.batch_per_rank)
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What a training run produced: the loss of every step and the final parameters."""
+
+    losses: tuple[float, ...]
+    params: dict[str, np.ndarray]
+
+
+def loss_of(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output, targets.to(output.dtype))
+
+
+def reference_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def describe_reference(case: ParityCase) -> str:
+    """Which single-device implementation the reference ran (goes into the record)."""
+    device = reference_device()
+    return f"{device.type}: torch.optim.{case.optim.name}({case.optim.impl})"
+
+
+def reference_run(case: ParityCase) -> Trained:
+    """The same training on one device over the global batch (see the module docstring)."""
+    device = reference_device()
+    model = build_mlp(case, device)
+    optimizer = build_optimizer(case.optim, param_groups(model, case.optim))
+    scheduler = build_scheduler(case.optim, optimizer)
+    losses = []
+    for step in range(case.steps):
+        inputs, targets = step_batch(case, step)
+        optimizer.zero_grad()
+        if case.mixed_precision:
+            losses.append(_mixed_precision_grads(model, case, inputs, targets))
+        else:
+            x, y = tensor_from(inputs, case.dtype, device), tensor_from(targets, case.dtype, device)
+            loss = loss_of(model(x), y)
+            loss.backward()  # type: ignore[no-untyped-call]
+            losses.append(loss.item())
+        if case.clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(
+                model.parameters(), case.clip_norm, norm_type=case.clip_norm_type
+            )
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    return Trained(tuple(losses), {n: to_numpy(p) for n, p in model.named_parameters()})
+
+
+def _mixed_precision_grads(
+    model: nn.Module, case: ParityCase, inputs: np.ndarray, targets: np.ndarray
+) -> float:
+    """What FSDP's bf16-param/fp32-reduce policy computes, on one device: each
+    data-parallel rank's forward and backward in bfloat16 on a bfloat16 copy of the
+    parameters, its gradients averaged across ranks in float32 onto the float32 parameters.
+    Returns the mean of the ranks' losses (as the driver averages the ranks' own)."""
+    device = next(model.parameters()).device
+    total: torch.Tensor | None = None
+    losses = []
+    for dp_rank in range(case.data_parallel):
+        replica = build_mlp(case, device)
+        replica.load_state_dict(model.state_dict())
+        replica.to(torch.bfloat16)
+        rows = rows_of(case, dp_rank)
+        x = tensor_from(inputs[rows], "bfloat16", device)
+        y = tensor_from(targets[rows], "bfloat16", device)
+        loss = loss_of(replica(x), y)
+        loss.backward()  # type: ignore[no-untyped-call]
+        grads = torch.cat([p.grad.float().flatten() for p in replica.parameters()])  # type: ignore[union-attr]
+        total = grads if total is None else total + grads
+        losses.append(loss.item())
+    assert total is not None
+    _set_flat_grads(model, total / case.data_parallel)
+    return sum(losses) / len(losses)
+
+
+def _set_flat_grads(model: nn.Module, flat: torch.Tensor) -> None:
+    offset = 0
+    for param in model.parameters():
+        count = param.numel()
+        param.grad = flat[offset : offset + count].view_as(param).to(param.dtype)
+        offset += count
+
+
+def named_full_params(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters by the unsharded model's names (DDP's ``module.`` prefix removed)."""
+    for name, param in model.named_parameters():
+        yield name.removeprefix("module."), param

@@ -1,0 +1,195 @@
+"""Training steps of every data/tensor-parallel layout, shared by the suites' checks.
+
+Every layout trains the same seeded MLP with the same optimizer on the same global batches
+as ``harness.torchkit.optim.reference_run``; each data-parallel rank takes its rows of the
+batch. ``parallelize`` applies a case's layout (DDP, ZeRO, fully_shard, HSDP, FSDP+TP),
+``train_steps`` runs its steps, ``optimizer_for`` builds its optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+from harness.cases.training import TP_LAYOUTS, ParityCase
+from harness.torchkit.context import RankContext
+from harness.torchkit.dtensor import tensor_from, to_numpy
+from harness.torchkit.optim import (
+    Trained,
+    build_optimizer,
+    build_scheduler,
+    loss_of,
+    named_full_params,
+    param_groups,
+    rows_of,
+    step_batch,
+)
+
+
+def train_steps(
+    ctx: RankContext,
+    case: ParityCase,
+    wrapped: nn.Module,
+    optimizer: Any,
+    dp_rank: int,
+    *,
+    full_params: Callable[[nn.Module], dict[str, np.ndarray]] | None = None,
+    first_step: int = 0,
+) -> Trained:
+    """``case.steps`` steps of ``optimizer`` on an already parallelized model over this
+    data-parallel rank's rows of each global batch (the batches of steps ``first_step``
+    on); the losses and the full parameters by their unsharded names (``full_params``, by
+    default DTensor or plain parameters)."""
+    scheduler = build_scheduler(case.optim, optimizer)
+    losses = []
+    for step in range(first_step, first_step + case.steps):
+        losses.append(train_step(wrapped, optimizer, case, dp_rank, step, ctx.device))
+        if scheduler is not None:
+            scheduler.step()
+    params = (full_params or dtensor_full_params)(wrapped)
+    return Trained(tuple(losses), params)
+
+
+def dtensor_full_params(model: nn.Module) -> dict[str, np.ndarray]:
+    """Every full parameter (a collective per DTensor) by its unsharded name."""
+    return {n: _full(p) for n, p in named_full_params(model)}
+
+
+def train_step(
+    wrapped: nn.Module,
+    optimizer: Any,
+    case: ParityCase,
+    dp_rank: int,
+    step: int,
+    device: torch.device,
+) -> float:
+    """One optimizer step on this data-parallel rank's rows of batch ``step``, in
+    ``case.micro_batches`` parts (the gradient sync only on the last, or on each if
+    ``case.sync_each_micro_batch``), clipped to ``case.clip_norm`` when set; its loss (the
+    mean over its rows)."""
+    inputs, targets = step_batch(case, step)
+    rows = rows_of(case, dp_rank)
+    optimizer.zero_grad()
+    total = 0.0
+    parts = np.array_split(np.arange(rows.start, rows.stop), case.micro_batches)
+    for number, part in enumerate(parts):
+        with _gradient_sync(wrapped, case.sync_each_micro_batch or number == len(parts) - 1):
+            # equal parts: the mean of the parts' means is the mean over the rows
+            loss = loss_of(
+                wrapped(tensor_from(inputs[part], case.dtype, device)),
+                tensor_from(targets[part], case.dtype, device),
+            ) / len(parts)
+            loss.backward()  # type: ignore[no-untyped-call]
+        total += loss.item()
+    if case.clip_norm is not None:
+        torch.nn.utils.clip_grad_norm_(
+            wrapped.parameters(), case.clip_norm, norm_type=case.clip_norm_type
+        )
+    optimizer.step()
+    return total
+
+
+@contextlib.contextmanager
+def _gradient_sync(wrapped: nn.Module, enabled: bool) -> Iterator[None]:
+    """Within it, fully_shard and DDP modules sync gradients across data-parallel ranks only
+    if ``enabled`` (anything else syncs every time, which sums the same gradients)."""
+    if isinstance(wrapped, FSDPModule):
+        wrapped.set_requires_gradient_sync(enabled)
+        yield
+    elif isinstance(wrapped, DistributedDataParallel) and not enabled:
+        with wrapped.no_sync():
+            yield
+    else:
+        yield
+
+
+def _full(param: torch.Tensor) -> Any:
+    """The whole parameter on every rank (a collective for a DTensor)."""
+    return to_numpy(param.full_tensor() if isinstance(param, DTensor) else param)
+
+
+def parallelize(
+    model: nn.Sequential, case: ParityCase, ctx: RankContext, **fsdp_options: Any
+) -> tuple[nn.Module, int]:
+    """Apply the layout; the module to call and this rank's data-parallel index.
+
+    ``fsdp_options`` go to every ``fully_shard`` call (``reshard_after_forward``,
+    ``offload_policy``, ``shard_placement_fn``)."""
+    if case.layout in ("ddp", "zero"):
+        _start_apart(model, ctx.rank)
+        return DistributedDataParallel(model, **dict(case.wrapper_options)), ctx.rank
+    if case.layout in TP_LAYOUTS:
+        return model, _tensor_parallel(model, case, ctx, fsdp_options)
+    names = ("replicate", "shard") if case.layout == "hsdp" else None
+    _fully_shard(model, case, ctx.mesh(case.mesh_shape, names), fsdp_options)
+    return model, ctx.rank
+
+
+def _start_apart(model: nn.Module, rank: int) -> None:
+    """Shift every parameter of ranks other than 0: DDP's constructor must broadcast rank
+    0's parameters, so training still starts from the one-device model."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(rank)
+
+
+def _tensor_parallel(
+    model: nn.Sequential, case: ParityCase, ctx: RankContext, options: dict[str, Any]
+) -> int:
+    """Colwise/Rowwise over the last mesh axis, fully_shard over the others (1-D for
+    fsdp_tp, (replicate, shard) for hsdp_tp); this rank's data-parallel index (the mesh is
+    row-major with tp last)."""
+    if case.layout == "fsdp_tp":
+        mesh = ctx.mesh(case.mesh_shape, ("dp", "tp"))
+        dp_mesh = mesh["dp"]
+    else:
+        mesh = ctx.mesh(case.mesh_shape, ("replicate", "shard", "tp"))
+        dp_mesh = mesh["replicate", "shard"]
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    _fully_shard(model, case, dp_mesh, options)
+    return ctx.rank // case.mesh_shape[-1]
+
+
+def _fully_shard(
+    model: nn.Sequential, case: ParityCase, mesh: Any, options: dict[str, Any]
+) -> None:
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if case.mixed_precision
+        else MixedPrecisionPolicy()
+    )
+    options = {**dict(case.wrapper_options), **options}
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh, mp_policy=policy, **options)
+    fully_shard(model, mesh=mesh, mp_policy=policy, **options)
+
+
+def optimizer_for(model: nn.Module, case: ParityCase) -> Any:
+    """The configured optimizer over ``model``'s parameters (ZeRO's for the zero layout)."""
+    groups = param_groups(model, case.optim)
+    if case.layout != "zero":
+        return build_optimizer(case.optim, groups)
+    optimizer_class = getattr(torch.optim, case.optim.name)
+    return ZeroRedundancyOptimizer(groups, optimizer_class=optimizer_class, **case.optim.kwargs())
+
+
+def data_parallel_ranks(case: ParityCase) -> list[int]:
+    """One rank per data-parallel index: they hold the distinct losses."""
+    if case.layout in TP_LAYOUTS:
+        return [d * case.mesh_shape[-1] for d in range(case.data_parallel)]
+    return list(range(case.data_parallel))

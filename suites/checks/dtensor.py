@@ -1,0 +1,182 @@
+"""Rank functions and driver-side comparisons shared by the DTensor suites.
+
+Rank functions (``*_on_rank``) take the rank context and a case and return plain views;
+comparisons run in the driver against the numpy model, so a mismatch is reported once, with
+the rank and mesh coordinate that differ.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor
+
+from harness.cases.placements import DistributeCase, OpCase, RedistributeCase, ReshapeCase
+from harness.parity import assert_array_equal, assert_equal_values
+from harness.torchkit import dtensor_ops, internals
+from harness.torchkit.context import RankContext
+from harness.torchkit.dtensor import (
+    DTensorView,
+    distribute,
+    tensor_from,
+    to_numpy,
+    to_torch_placements,
+    view_of,
+)
+from specs.placements import (
+    Coord,
+    Partial,
+    Placement,
+    assemble,
+    contiguous_stride,
+    coord_of_rank,
+    local_arrays,
+    normalize,
+)
+
+
+def distribute_on_rank(ctx: RankContext, case: DistributeCase) -> DTensorView:
+    return view_of(distribute(ctx, case), ctx.rank)
+
+
+def op_on_rank(ctx: RankContext, case: OpCase) -> list[DTensorView]:
+    """Each application of the op, in order, on one DTensor (a sharding decision cached
+    for one dim must not serve another)."""
+    source = distribute(ctx, case.source)
+    return [
+        view_of(dtensor_ops.apply(case.op, source, dim, keepdim), ctx.rank)
+        for dim, keepdim in case.applications
+    ]
+
+
+def ops_on_rank(ctx: RankContext, cases: Sequence[OpCase]) -> list[list[DTensorView]]:
+    return [op_on_rank(ctx, case) for case in cases]
+
+
+def op_on_one_device(case: OpCase, device: str) -> list[np.ndarray]:
+    """The reference: the same ops on the global tensor, on one device."""
+    tensor = tensor_from(case.source.global_array(), case.source.dtype, torch.device(device))
+    return [
+        to_numpy(dtensor_ops.apply(case.op, tensor, dim, keepdim))
+        for dim, keepdim in case.applications
+    ]
+
+
+def reshape_on_rank(ctx: RankContext, case: ReshapeCase) -> DTensorView | str:
+    """The view (or reshape) of the distributed tensor, or the RuntimeError it raised."""
+    source = distribute(ctx, case.source)
+    try:
+        result = getattr(source, case.method)(case.target)
+    except RuntimeError as exc:
+        return str(exc)
+    return view_of(result, ctx.rank)
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def box_on_rank(ctx: RankContext, case: DistributeCase) -> tuple[Box, DTensorView]:
+    """Where torch says this rank's shard sits in the global tensor, and the shard."""
+    dtensor = distribute(ctx, case)
+    box = internals.local_shape_and_global_offset(dtensor)
+    return box, view_of(dtensor, ctx.rank, with_full=False)
+
+
+@functools.lru_cache(maxsize=16)
+def _source_layout(case: RedistributeCase) -> dict[Coord, np.ndarray]:
+    """The model's locals of the source, distinct Partial contributions (shared by ranks)."""
+    return local_arrays(
+        case.global_array(), case.mesh_shape, case.src, partial="distinct", seed=case.seed
+    )
+
+
+def _source(ctx: RankContext, case: RedistributeCase) -> DTensor:
+    """This rank's part of the source: the model's local array, wrapped by ``from_local``."""
+    local = _source_layout(case)[coord_of_rank(case.mesh_shape, ctx.rank)]
+    return DTensor.from_local(
+        tensor_from(local, case.dtype, ctx.device),
+        ctx.mesh(case.mesh_shape),
+        to_torch_placements(case.src),
+        shape=torch.Size(case.shape),
+        stride=contiguous_stride(case.shape),
+    )
+
+
+def redistribute_on_rank(ctx: RankContext, case: RedistributeCase) -> DTensorView:
+    source = _source(ctx, case)
+    return view_of(source.redistribute(source.device_mesh, to_torch_placements(case.dst)), ctx.rank)
+
+
+def redistribute_error_on_rank(ctx: RankContext, case: RedistributeCase) -> str | None:
+    """The message of the RuntimeError redistribute raises, or None if it returned."""
+    source = _source(ctx, case)
+    try:
+        source.redistribute(source.device_mesh, to_torch_placements(case.dst))
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def assert_layout(
+    views: Sequence[DTensorView],
+    *,
+    mesh_shape: tuple[int, ...],
+    placements: tuple[Placement, ...],
+    global_array: np.ndarray,
+    dtype: str,
+    call: str,
+    partial_values_known: bool,
+) -> None:
+    """Every rank holds what the model says a DTensor laid out by ``placements`` holds.
+
+    Local values are compared exactly unless a ``Partial`` axis holds contributions the
+    model cannot predict (``partial_values_known=False``); then the contributions must still
+    have the model's shapes and reduce to the global value.
+    """
+    expected = local_arrays(global_array, mesh_shape, placements)
+    has_partial = any(isinstance(p, Partial) for p in placements)
+    assert_equal_values(len(views), len(expected), what="number of ranks reporting", call=call)
+    for rank, view in enumerate(views):
+        coord = coord_of_rank(mesh_shape, rank)
+        who = f"rank {rank} (mesh coord {coord})"
+        assert_equal_values(view.coord, coord, what=f"mesh coordinate of rank {rank}", call=call)
+        assert_equal_values(
+            view.shape, global_array.shape, what=f"global shape on {who}", call=call
+        )
+        assert_equal_values(
+            view.stride,
+            contiguous_stride(global_array.shape),
+            what=f"global stride on {who}",
+            call=call,
+        )
+        assert_equal_values(
+            view.placements,
+            normalize(placements, global_array.ndim),
+            what=f"placements on {who}",
+            call=call,
+        )
+        assert_equal_values(
+            (view.dtype, view.local_dtype),
+            (dtype, dtype),
+            what=f"(dtype, local dtype) on {who}",
+            call=call,
+        )
+        if partial_values_known or not has_partial:
+            assert_array_equal(view.local, expected[coord], what=f"to_local() on {who}", call=call)
+        else:
+            assert_equal_values(
+                view.local.shape,
+                expected[coord].shape,
+                what=f"to_local() shape on {who}",
+                call=call,
+            )
+        assert view.full is not None, "views are taken with full_tensor()"
+        assert_array_equal(view.full, global_array, what=f"full_tensor() on {who}", call=call)
+    if has_partial:
+        reduced = assemble({v.coord: v.local for v in views}, mesh_shape, placements)
+        assert_array_equal(
+            reduced, global_array, what="global value the local arrays reduce to", call=call
+        )

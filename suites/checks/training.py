@@ -1,0 +1,166 @@
+"""Checks of the optimizer-parity suite: rank functions that train an MLP under a layout
+(``harness.torchkit.training``) or step an optimizer on plain or DTensor parameters, and the
+assertions that compare them with the single-device reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from harness.cases.training import ParityCase, StepCase
+from harness.parity import assert_close, assert_equal_values
+from harness.torchkit.context import RankContext
+from harness.torchkit.dtensor import tensor_from, to_numpy, to_torch_placements
+from harness.torchkit.models import Centering, build_centered_mlp, build_mlp
+from harness.torchkit.optim import (
+    Trained,
+    build_optimizer,
+)
+from harness.torchkit.training import (
+    data_parallel_ranks,
+    optimizer_for,
+    parallelize,
+    train_step,
+    train_steps,
+)
+from specs.optimizers import OptimizerModel
+
+
+def train_on_rank(ctx: RankContext, case: ParityCase) -> Trained:
+    """Train under ``case.layout``; this rank's losses and every full parameter."""
+    model = build_mlp(case, ctx.device)
+    wrapped, dp_rank = parallelize(model, case, ctx)
+    return train_steps(ctx, case, wrapped, optimizer_for(model, case), dp_rank)
+
+
+def assert_trained_like(
+    reference: Trained,
+    trained: list[Trained],
+    case: ParityCase,
+    *,
+    rtol: float,
+    atol: float,
+    why: str,
+) -> None:
+    """Every step's loss (the mean over data-parallel ranks) and every rank's final
+    parameters equal the single-device reference within ``rtol``/``atol`` (``why``)."""
+    call = case.call()
+    for step, expected in enumerate(reference.losses):
+        losses = [trained[r].losses[step] for r in data_parallel_ranks(case)]
+        assert_close(
+            np.array(sum(losses) / len(losses)),
+            np.array(expected),
+            rtol=rtol,
+            atol=atol,
+            dtype=case.dtype,
+            what=f"loss of step {step}",
+            why=why,
+            call=call,
+            record_as=f"loss/{case.dtype}",
+        )
+    for rank, result in enumerate(trained):
+        _assert_same_params(result, reference, case, rank, "", rtol, atol, why, call)
+
+
+def assert_same_training(
+    got: list[Trained],
+    want: list[Trained],
+    case: ParityCase,
+    *,
+    rtol: float,
+    atol: float,
+    why: str,
+    against: str,
+    call: str,
+) -> None:
+    """Rank by rank, the same losses at every step and the same final parameters as
+    ``want`` (another layout trained on the same rows: ``against``)."""
+    for rank, (result, expected) in enumerate(zip(got, want, strict=True)):
+        assert_close(
+            np.array(result.losses),
+            np.array(expected.losses),
+            rtol=rtol,
+            atol=atol,
+            dtype=case.dtype,
+            what=f"losses on rank {rank} (against {against})",
+            why=why,
+            call=call,
+            record_as=f"loss/{case.dtype}",
+        )
+        suffix = f" (against {against})"
+        _assert_same_params(result, expected, case, rank, suffix, rtol, atol, why, call)
+
+
+def _assert_same_params(
+    result: Trained,
+    expected: Trained,
+    case: ParityCase,
+    rank: int,
+    suffix: str,
+    rtol: float,
+    atol: float,
+    why: str,
+    call: str,
+) -> None:
+    """The same parameter names as ``expected`` and each final parameter close to it."""
+    assert_equal_values(
+        sorted(result.params), sorted(expected.params), what=f"parameter names on rank {rank}"
+    )
+    for name, value in expected.params.items():
+        assert_close(
+            result.params[name],
+            value,
+            rtol=rtol,
+            atol=atol,
+            dtype=case.dtype,
+            what=f"{name} after {case.steps} step(s) on rank {rank}{suffix}",
+            why=why,
+            call=call,
+            record_as=f"param/{case.dtype}",
+        )
+
+
+def ddp_forward_buffers_on_rank(ctx: RankContext, case: ParityCase) -> list[np.ndarray]:
+    """Train ``case.steps`` steps of a centered MLP under DistributedDataParallel (each rank
+    starting from buffers of its own); the running buffer at the start of every forward."""
+    model = build_centered_mlp(case, ctx.device)
+    centering = model[0]
+    assert isinstance(centering, Centering)
+    with torch.no_grad():
+        centering.center.add_(ctx.rank)
+    wrapped, dp_rank = parallelize(model, case, ctx)
+    seen: list[np.ndarray] = []
+    model.register_forward_pre_hook(lambda module, args: seen.append(to_numpy(centering.center)))
+    optimizer = optimizer_for(model, case)
+    for step in range(case.steps):
+        train_step(wrapped, optimizer, case, dp_rank, step, ctx.device)
+    return seen
+
+
+def _laid_out(ctx: RankContext, case: StepCase, index: int, array: np.ndarray) -> torch.Tensor:
+    tensor = tensor_from(array, case.dtype, ctx.device)
+    if case.placements is None:
+        return tensor
+    mesh = ctx.mesh(case.mesh_shape)
+    return distribute_tensor(tensor, mesh, to_torch_placements(case.placements[index]))
+
+
+def step_on_rank(ctx: RankContext, case: StepCase) -> list[np.ndarray]:
+    """Every parameter, whole, after ``case.steps`` steps (a collective per DTensor)."""
+    params = [torch.nn.Parameter(_laid_out(ctx, case, i, a)) for i, a in enumerate(case.params())]
+    optimizer = build_optimizer(case.optim, [{"params": params}])
+    for step in range(case.steps):
+        for i, (param, grad) in enumerate(zip(params, case.grads(step), strict=True)):
+            param.grad = _laid_out(ctx, case, i, grad)
+        optimizer.step()
+    return [to_numpy(p.full_tensor() if isinstance(p, DTensor) else p) for p in params]
+
+
+def step_model(case: StepCase) -> list[np.ndarray]:
+    """The spec model (``specs.optimizers``) fed the same parameters and gradients."""
+    model = OptimizerModel(case.optim.name, case.optim.lr, dict(case.optim.options))
+    params = case.params()
+    for step in range(case.steps):
+        model.step(params, case.grads(step))
+    return params
