@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from harness.runners.base import RankFailure, WorldStartError
+from harness.errors import WorldStartError
+from harness.runners.base import RankFailure
 
 _Phase = tuple[pytest.TestReport, "pytest.ExceptionInfo[BaseException] | None"]
 

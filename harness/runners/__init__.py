@@ -6,12 +6,12 @@ import contextlib
 from collections.abc import Iterator
 from typing import NamedTuple
 
+from harness.errors import WorldStartError
 from harness.runners.base import (
     AllRanksSkipped,
     RankFailure,
     RankOutcome,
     World,
-    WorldStartError,
     call_limit,
 )
 

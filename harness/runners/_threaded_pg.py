@@ -26,6 +26,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllreduceOptions, ReduceScatterOptions
 from torch.testing._internal.distributed import multi_threaded_pg as _upstream
 
+from harness.errors import CollectiveMismatch, RunnerUnsupported
+
 BACKEND = "threaded"
 # Operations this process group cannot serve, named as World.lacks names them.
 UNSUPPORTED = frozenset(
@@ -47,14 +49,6 @@ class CollectiveAborted(BaseException):
 
     A ``BaseException`` so that a check's ``except Exception`` cannot swallow the release.
     """
-
-
-class RunnerUnsupported(RuntimeError):
-    """An operation the threaded process group does not implement."""
-
-
-class CollectiveMismatch(RuntimeError):
-    """Ranks of one group issued different collectives (op, shapes, dtypes, reduce op, root)."""
 
 
 class _Rendezvous:

@@ -16,6 +16,8 @@ from typing import Any, Literal, Protocol, TypeAlias, TypeVar
 
 import pytest
 
+from harness.errors import DistconfError
+
 RankStatus: TypeAlias = Literal["ok", "error", "waiting", "timeout", "skipped", "crashed"]
 T = TypeVar("T")
 
@@ -121,11 +123,7 @@ class AllRanksSkipped(pytest.skip.Exception):  # type: ignore[misc,name-defined]
         self.reasons = reasons
 
 
-class WorldStartError(RuntimeError):
-    """The ranks could not start or rendezvous: an infrastructure error, not a test result."""
-
-
-class RankFailure(Exception):
+class RankFailure(DistconfError):
     """A call failed on at least one rank; carries every rank's outcome.
 
     ``primary`` is the rank whose failure explains the call (``primary_rank``); ``outcomes``

@@ -33,8 +33,9 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
 
 from harness import faults
+from harness.errors import WorldStartError
 from harness.runners import _rank_process
-from harness.runners.base import RankOutcome, WorldStartError, call_limit, settle
+from harness.runners.base import RankOutcome, call_limit, settle
 
 T = TypeVar("T")
 RUNNER = "processes"

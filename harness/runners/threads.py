@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore
 
+from harness.errors import WorldStartError
 from harness.runners import _threaded_pg
 from harness.runners.base import (
     RankFailure,
     RankOutcome,
-    WorldStartError,
     call_limit,
     error_outcome,
     is_skip,

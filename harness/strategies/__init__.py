@@ -1,4 +1,9 @@
-"""Hypothesis strategies for distconf cases, valid by construction (see ``_common``)."""
+"""Hypothesis strategies for distconf cases, valid by construction.
+
+Every strategy takes the world size it draws for (and its own options), validates its
+arguments through ``harness.errors`` and draws only cases that are valid: a case never
+needs filtering in a test. One module per area; the cases they draw are ``harness.cases``
+of the same name. This package exports every strategy the suites use."""
 
 from harness.strategies._common import (
     MAX_MESH_NDIM,
@@ -9,12 +14,21 @@ from harness.strategies._common import (
     seeds,
     shapes,
 )
-from harness.strategies.hsdp import hsdp_cases, hsdp_meshes, save_load_cases
+from harness.strategies.hsdp import (
+    group_error_cases,
+    hsdp_cases,
+    hsdp_meshes,
+    save_load_cases,
+    sync_cases,
+)
 from harness.strategies.modules import (
     graph_cases,
     mesh_mlp_cases,
     module_graphs,
+    owns_subtree,
     shard_dim_cases,
+    strided_disagreement_cases,
+    strided_disagreement_world_sizes,
     zero_size_shapes,
 )
 from harness.strategies.placements import (
@@ -32,12 +46,38 @@ from harness.strategies.placements import (
     uneven_redistribute_cases,
     uneven_shard_cases,
 )
-from harness.strategies.tp import loss_cases, tied_cases, tp_cases, transformer_cases
-from harness.strategies.training import mlp_cases
+from harness.strategies.state_dict import (
+    layout_meshes,
+    reshard_cases,
+    resume_cases,
+    state_dict_cases,
+    strided_meshes,
+    uneven_strided_cases,
+)
+from harness.strategies.tp import (
+    class_counts,
+    hidden_sizes,
+    loss_cases,
+    loss_error_cases,
+    tied_cases,
+    tp_cases,
+    transformer_cases,
+)
+from harness.strategies.training import (
+    join_cases,
+    mlp_cases,
+    optim_configs,
+    overlap_cases,
+    params_cases,
+    parity_cases,
+    partition_cases,
+    step_cases,
+)
 
 __all__ = [
     "MAX_MESH_NDIM",
     "MAX_SIDE",
+    "class_counts",
     "distribute_cases",
     "dtypes",
     "extremum_empty_shard_cases",
@@ -45,28 +85,48 @@ __all__ = [
     "factorisations",
     "flatten_empty_cases",
     "graph_cases",
+    "group_error_cases",
+    "hidden_sizes",
     "hsdp_cases",
     "hsdp_meshes",
+    "join_cases",
+    "layout_meshes",
     "loss_cases",
+    "loss_error_cases",
     "mesh_mlp_cases",
     "mesh_shapes",
     "mlp_cases",
     "module_graphs",
     "op_cases",
+    "optim_configs",
+    "overlap_cases",
+    "owns_subtree",
+    "params_cases",
+    "parity_cases",
     "partial_sum_integer_cases",
     "partial_target_cases",
+    "partition_cases",
     "placements",
     "redistribute_cases",
     "reshape_cases",
+    "reshard_cases",
+    "resume_cases",
     "save_load_cases",
     "scan_negative_dim_cases",
     "seeds",
     "shapes",
     "shard_dim_cases",
+    "state_dict_cases",
+    "step_cases",
+    "strided_disagreement_cases",
+    "strided_disagreement_world_sizes",
+    "strided_meshes",
+    "sync_cases",
     "tied_cases",
     "tp_cases",
     "transformer_cases",
     "uneven_redistribute_cases",
     "uneven_shard_cases",
+    "uneven_strided_cases",
     "zero_size_shapes",
 ]

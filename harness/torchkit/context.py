@@ -6,9 +6,10 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
+from harness.errors import invalid
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the public face exports RankContext; importing it must not import torch
+    import torch
     from torch.distributed.device_mesh import DeviceMesh
 
 
@@ -37,12 +38,13 @@ class RankContext:
         """The device mesh of ``shape`` over all ranks (row-major), built once per World."""
         shape = tuple(shape)
         if not shape or math.prod(shape) != self.world_size:
-            raise ValueError(
-                f"shape={shape!r} must be a non-empty mesh shape whose product is the world "
-                f"size {self.world_size}"
+            raise invalid(
+                "shape",
+                shape,
+                f"a non-empty mesh shape whose product is the world size {self.world_size}",
             )
         if names is not None and len(names) != len(shape):
-            raise ValueError(f"names={names!r} must name each of the {len(shape)} mesh axes")
+            raise invalid("names", names, f"a name for each of the {len(shape)} mesh axes")
         key = (shape, names)
         if key not in self._meshes:
             from torch.distributed.device_mesh import init_device_mesh
