@@ -153,6 +153,19 @@ def test_a_rank_spinning_in_python_is_stopped_after_its_deadline():
         assert world.run(_rank) == [0, 1]
 
 
+def test_a_rank_thread_cannot_use_its_own_world(world4):
+    def uses_world(ctx):
+        refusals = []
+        for call in (lambda: world4.run(_rank), world4.check_health, world4.start):
+            with pytest.raises(RuntimeError, match="was called from a rank thread") as info:
+                call()
+            refusals.append(str(info.value).split()[0])
+        return refusals
+
+    expected = ["world.run", "world.check_health", "world.start"]
+    assert world4.run(uses_world) == [expected] * 4
+
+
 def _skips_everywhere(ctx):
     pytest.skip(f"nothing to do on rank {ctx.rank}")
 
@@ -282,7 +295,7 @@ def test_worlds_serve_the_sessions_sizes_from_the_cache_and_check_them():
         worlds.check_health()
         with pytest.raises(ValueError, match=r"world_size=2 must be one of .* \(1, 3\)"):
             worlds.get(2)
-        with pytest.raises(ValueError, match=r"sizes=\(\) must name"):
+        with pytest.raises(ValueError, match=r"sizes=\(\) must be a non-empty tuple"):
             Worlds(cache, "threads", "cpu", ())
     finally:
         cache.close()

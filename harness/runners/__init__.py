@@ -6,14 +6,14 @@ import contextlib
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from harness.errors import WorldStartError
-from harness.runners.base import (
-    AllRanksSkipped,
-    RankFailure,
-    RankOutcome,
-    World,
-    call_limit,
+from harness.errors import (
+    WorldStartError,
+    check_int,
+    check_one_of,
+    check_seconds,
+    require,
 )
+from harness.runners.base import AllRanksSkipped, RankFailure, RankOutcome, World
 
 RUNNERS = ("threads", "processes")
 
@@ -49,18 +49,19 @@ __all__ = [
 
 
 def _validate(runner: str, world_size: int, device: str, timeout: float) -> None:
-    if runner not in RUNNERS:
-        raise ValueError(f"runner={runner!r} must be one of {RUNNERS}")
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be a positive int")
-    if device not in DEVICES:
-        raise ValueError(f"device={device!r} must be one of {DEVICES}")
-    call_limit(timeout, timeout, after_hang=False)  # validates
+    check_one_of("runner", runner, RUNNERS)
+    check_int("world_size", world_size)
+    check_one_of("device", device, DEVICES)
+    check_seconds("timeout", timeout)
     if device == "cuda":
         import torch
 
-        if not torch.cuda.is_available():
-            raise ValueError("device='cuda' was asked for, but torch.cuda.is_available() is False")
+        require(
+            torch.cuda.is_available(),
+            "device",
+            device,
+            "a device this machine has, but torch.cuda.is_available() is False",
+        )
 
 
 def make_world(
@@ -146,18 +147,19 @@ class Worlds:
     """
 
     def __init__(self, cache: WorldCache, runner: str, device: str, sizes: tuple[int, ...]) -> None:
-        if not sizes:
-            raise ValueError(f"sizes={sizes!r} must name at least one world size")
+        require(bool(sizes), "sizes", sizes, "a non-empty tuple of world sizes")
         self.runner, self.device, self.sizes = runner, device, tuple(sizes)
         self._cache = cache
 
     def get(self, world_size: int) -> World:
         """The session's World of ``world_size`` ranks (started), shared with the ``world``
         fixture of tests at that size."""
-        if world_size not in self.sizes:
-            raise ValueError(
-                f"world_size={world_size!r} must be one of this session's world sizes {self.sizes}"
-            )
+        require(
+            world_size in self.sizes,
+            "world_size",
+            world_size,
+            f"one of this session's world sizes {self.sizes}",
+        )
         world = self._cache.get(self.runner, world_size, self.device)
         world.start()
         return world

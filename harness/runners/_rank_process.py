@@ -21,6 +21,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
+from harness.errors import fail
 from harness.runners.base import (
     RankOutcome,
     error_outcome,
@@ -211,7 +212,7 @@ class _Rank:
             elif kind == "reset":
                 self.join_group(int(argument))
             else:
-                raise ValueError(f"control={kind!r} must be 'health' or 'reset'")
+                fail("control", kind, "'health' or 'reset'")
         except BaseException as exc:
             return error_outcome(rank, exc, keep=False, context=f"control message {kind!r}")
         return RankOutcome(rank, "ok")

@@ -7,7 +7,6 @@ the verdict here means both runners agree on what a failure, a skip and a primar
 
 from __future__ import annotations
 
-import math
 import traceback
 import unittest
 from collections.abc import Callable, Sequence
@@ -16,7 +15,7 @@ from typing import Any, Literal, Protocol, TypeAlias, TypeVar
 
 import pytest
 
-from harness.errors import DistconfError
+from harness.errors import DistconfError, check_seconds
 
 RankStatus: TypeAlias = Literal["ok", "error", "waiting", "timeout", "skipped", "crashed"]
 T = TypeVar("T")
@@ -64,10 +63,8 @@ def error_outcome(
 def call_limit(default: float, requested: float | None, *, after_hang: bool) -> float:
     """The deadline of one call in seconds: ``requested`` or the World's default, validated,
     capped at ``AFTER_HANG_TIMEOUT`` once the World hung in the current test."""
-    limit = default if requested is None else requested
-    if isinstance(limit, bool) or not isinstance(limit, int | float) or not 0 < limit < math.inf:
-        raise ValueError(f"timeout={requested!r} must be a positive, finite number of seconds")
-    return min(limit, AFTER_HANG_TIMEOUT) if after_hang else float(limit)
+    limit = check_seconds("timeout", default if requested is None else requested)
+    return min(limit, AFTER_HANG_TIMEOUT) if after_hang else limit
 
 
 def released_outcome(

@@ -19,25 +19,23 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import multiprocessing
 import os
 import pickle
 import shutil
 import signal
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
-from typing import Any, TypeVar
+from typing import Any
 
 from harness import faults
-from harness.errors import WorldStartError
+from harness.errors import WorldStartError, invalid
 from harness.runners import _rank_process
-from harness.runners.base import RankOutcome, call_limit, settle
+from harness.runners.base import RankOutcome
+from harness.runners.world import PersistentWorld
 
-T = TypeVar("T")
 RUNNER = "processes"
 _START_TIMEOUT = 180.0
 _CONTROL_TIMEOUT = 30.0
@@ -132,7 +130,7 @@ class _Pool:
             conn.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def stop(self, grace: float) -> None:
+    def stop(self, grace: float = _CONTROL_TIMEOUT) -> None:
         """Ask every rank to leave (barrier, destroy the group, exit); kill what remains."""
         self._broadcast(("stop", None))
         deadline = time.monotonic() + grace
@@ -142,6 +140,14 @@ class _Pool:
 
     def alive(self) -> bool:
         return all(process.is_alive() for process in self.processes)
+
+    def healthy(self) -> bool:
+        return self.alive() and self.control("health", None)
+
+    def reset(self) -> bool:
+        """Every rank joins a new process group; True when all of them did."""
+        self.group_generation += 1
+        return self.alive() and self.control("reset", self.group_generation)
 
     # --- calls -------------------------------------------------------------------------
 
@@ -263,12 +269,10 @@ class _Pool:
         return text
 
 
-class ProcessWorld:
+class ProcessWorld(PersistentWorld[_Pool]):
     """A persistent World of ``world_size`` rank processes (see the module docstring)."""
 
     runner = RUNNER
-    lacks: frozenset[str] = frozenset()
-    _numbers = itertools.count()
 
     def __init__(
         self,
@@ -280,78 +284,22 @@ class ProcessWorld:
     ) -> None:
         if device == "cuda":
             _check_gpus(world_size)
-        self.world_size, self.device, self.timeout = world_size, device, timeout
+        super().__init__(world_size, device, timeout=timeout)
         self.strict_collectives = strict_collectives
-        self.calls = 0
-        self.generations = 0
         self.respawns = 0
-        self._pool: _Pool | None = None
         self._needs_reset = False
-        self._hung = False
-        self._lock = threading.Lock()
 
-    def __repr__(self) -> str:
-        return f"ProcessWorld(world_size={self.world_size}, device={self.device!r})"
+    def _prepare(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
+        return _pickled_call(fn, args)
 
-    def run(self, fn: Callable[..., T], *args: Any, timeout: float | None = None) -> list[T]:
-        """Run ``fn(ctx, *args)`` in every rank process; the values in rank order."""
-        limit = call_limit(self.timeout, timeout, after_hang=self._hung)
-        payload = _pickled_call(fn, args)
-        with self._lock:
-            pool = self._ready_pool()
-            self.calls += 1
-            try:
-                outcomes, timed_out = pool.call(payload, time.monotonic() + limit)
-            except BaseException:
-                self._discard()  # interrupted (Ctrl-C): never leave ranks mid-call
-                raise
-            self._after_call(outcomes, timed_out)
-            shortened, self._hung = self._hung, self._hung or timed_out
-        return settle(
-            outcomes,
-            runner=RUNNER,
-            device=self.device,
-            deadline=limit if timed_out else None,
-            shortened=shortened,
-        )
-
-    def start(self) -> None:
-        with self._lock:
-            self._ready_pool()
-
-    def check_health(self) -> bool:
-        """Barrier with a short deadline; respawns the pool when it fails. True if healthy."""
-        with self._lock:
-            self._hung = False
-            if self._pool is None:
-                return True
-            if self._pool.alive() and self._pool.control("health", None):
-                return True
-            self._discard()
-            return False
-
-    def close(self) -> None:
-        with self._lock:
-            if self._pool is not None:
-                self._pool.stop(grace=_CONTROL_TIMEOUT)
-                self._pool = None
-
-    # --- pool management ---------------------------------------------------------------
-
-    def _ready_pool(self) -> _Pool:
-        if self._pool is not None and self._needs_reset:
-            self._pool.group_generation += 1
-            if not (
-                self._pool.alive() and self._pool.control("reset", self._pool.group_generation)
-            ):
+    def _ready(self) -> _Pool:
+        if self._ranks is not None and self._needs_reset:
+            if not self._ranks.reset():
                 self._discard()
             self._needs_reset = False
-        if self._pool is None:
-            self._pool = self._start_pool()
-            self.generations += 1
-        return self._pool
+        return super()._ready()
 
-    def _start_pool(self) -> _Pool:
+    def _start_ranks(self) -> _Pool:
         errors = []
         for _ in range(_START_ATTEMPTS):
             pool = _Pool(self.world_size, self.device, strict=self.strict_collectives)
@@ -366,20 +314,14 @@ class ProcessWorld:
             + "\n---\n".join(errors)
         )
 
-    def _after_call(self, outcomes: list[RankOutcome], timed_out: bool) -> None:
-        if all(o.status == "ok" for o in outcomes):
-            return
-        stranded = ("crashed", "waiting", "timeout")  # ranks that cannot take the next call
+    def _after_failure(self, outcomes: list[RankOutcome], timed_out: bool) -> None:
+        """Respawn the pool when a rank cannot take the next call, else rebuild its group."""
+        stranded = ("crashed", "waiting", "timeout")
         if timed_out or any(o.status in stranded for o in outcomes):
             self.respawns += 1
             self._discard()
         else:
             self._needs_reset = True
-
-    def _discard(self) -> None:
-        if self._pool is not None:
-            self._pool.kill()
-            self._pool = None
 
 
 def _pickled_call(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
@@ -405,7 +347,8 @@ def _check_gpus(world_size: int) -> None:
 
     available = torch.cuda.device_count()
     if available < world_size:
-        raise ValueError(
-            f"world_size={world_size} needs one GPU per rank on the process runner, "
-            f"but {available} are visible"
+        raise invalid(
+            "world_size",
+            world_size,
+            f"at most {available}, the GPUs visible (the process runner gives each rank one)",
         )

@@ -23,7 +23,7 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,19 +32,16 @@ from torch._C._distributed_c10d import HashStore
 from harness.errors import WorldStartError
 from harness.runners import _threaded_pg
 from harness.runners.base import (
-    RankFailure,
     RankOutcome,
-    call_limit,
     error_outcome,
     is_skip,
     released_outcome,
-    settle,
     skip_reason,
 )
+from harness.runners.world import PersistentWorld
 from harness.torchkit import internals
 from harness.torchkit.context import RankContext
 
-T = TypeVar("T")
 RUNNER = "threads"
 _START_TIMEOUT = 60.0
 _STOP = None
@@ -84,9 +81,19 @@ class _Generation:
         internals.clear_dtensor_plan_caches()
         failed = [o for o in outcomes if o.status != "ok"]
         if failed:
-            self.stop(grace=_STOP_GRACE)
+            self.stop()
             detail = "\n".join(f"rank {o.rank}: {o.summary}\n{o.traceback}" for o in failed)
             raise WorldStartError(f"rank threads failed to start:\n{detail}")
+
+    def call(
+        self, payload: tuple[Callable[..., Any], tuple[Any, ...]], deadline: float
+    ) -> tuple[list[RankOutcome], bool]:
+        self.submit(*payload)
+        return self.collect(deadline)
+
+    def healthy(self) -> bool:
+        outcomes, _ = self.call((_barrier, ()), time.monotonic() + _HEALTH_TIMEOUT)
+        return all(o.status == "ok" for o in outcomes)
 
     def submit(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         with self.cond:
@@ -117,8 +124,9 @@ class _Generation:
             self.domain.abort("the call's deadline expired")
         return [reported[r] for r in range(self.world_size)], bool(missing)
 
-    def stop(self, grace: float) -> None:
-        """Ask every rank to leave; wait up to ``grace`` seconds for those that can.
+    def stop(self, grace: float = _STOP_GRACE) -> None:
+        """Ask every rank to leave; wait up to ``grace`` seconds for those that can, and
+        keep the stuck ones on record (a thread cannot be killed, only left).
 
         Waiting matters at interpreter exit: a daemon thread still inside
         ``destroy_process_group`` when Python finalises aborts the process.
@@ -130,6 +138,11 @@ class _Generation:
         for rank, thread in enumerate(self.threads):
             if rank not in self.stuck:
                 thread.join(max(0.0, deadline - time.monotonic()))
+        _abandoned.extend(self.threads[rank] for rank in self.stuck)
+
+    def kill(self) -> None:
+        """The same as ``stop``: a rank thread can only be asked to leave."""
+        self.stop()
 
     def _stuck_outcome(self, rank: int) -> RankOutcome:
         frame = sys._current_frames().get(self.threads[rank].ident or -1)
@@ -194,7 +207,7 @@ class _Generation:
             return error_outcome(rank, exc)
 
 
-class ThreadWorld:
+class ThreadWorld(PersistentWorld[_Generation]):
     """A persistent World of ``world_size`` rank threads (see the module docstring)."""
 
     runner = RUNNER
@@ -204,75 +217,22 @@ class ThreadWorld:
     def __init__(self, world_size: int, device: str = "cpu", *, timeout: float = 60.0) -> None:
         _threaded_pg.install()
         internals.quiet_known_warnings()
-        self.world_size, self.device, self.timeout = world_size, device, timeout
-        self.calls = 0
-        self.generations = 0
-        self._generation: _Generation | None = None
-        self._hung = False
-        self._lock = threading.Lock()
+        super().__init__(world_size, device, timeout=timeout)
 
-    def __repr__(self) -> str:
-        return f"ThreadWorld(world_size={self.world_size}, device={self.device!r})"
-
-    def run(self, fn: Callable[..., T], *args: Any, timeout: float | None = None) -> list[T]:
-        """Run ``fn(ctx, *args)`` on every rank; the values in rank order, or ``RankFailure``."""
-        limit = call_limit(self.timeout, timeout, after_hang=self._hung)
+    def _refuse_caller(self, method: str) -> None:
         if threading.current_thread().name.startswith("distconf-g"):
-            raise RuntimeError("world.run was called from a rank thread; call it from the driver")
-        with self._lock:
-            generation = self._ensure_generation()
-            self.calls += 1
-            deadline = time.monotonic() + limit
-            generation.submit(fn, args)
-            try:
-                outcomes, timed_out = generation.collect(deadline)
-            except BaseException:
-                self._retire()  # interrupted (Ctrl-C): never leave ranks mid-call
-                raise
-            if any(o.status != "ok" for o in outcomes):
-                self._retire()
-            shortened, self._hung = self._hung, self._hung or timed_out
-        return settle(
-            outcomes,
-            runner=RUNNER,
-            device=self.device,
-            deadline=limit if timed_out else None,
-            shortened=shortened,
-        )
+            raise RuntimeError(
+                f"world.{method} was called from a rank thread; call it from the driver"
+            )
 
-    def start(self) -> None:
-        with self._lock:
-            self._ensure_generation()
+    def _start_ranks(self) -> _Generation:
+        _refuse_past_stuck_limit()
+        generation = _Generation(self.world_size, self.device, next(self._numbers))
+        generation.start()
+        return generation
 
-    def check_health(self) -> bool:
-        """A barrier on every rank with a short deadline; a failure retires the generation."""
-        self._hung = False
-        if self._generation is None:
-            return True
-        try:
-            self.run(_barrier, timeout=_HEALTH_TIMEOUT)
-        except RankFailure:
-            return False
-        return True
-
-    def close(self) -> None:
-        with self._lock:
-            self._retire()
-
-    def _ensure_generation(self) -> _Generation:
-        if self._generation is None:
-            _refuse_past_stuck_limit()
-            generation = _Generation(self.world_size, self.device, next(self._numbers))
-            generation.start()
-            self._generation = generation
-            self.generations += 1
-        return self._generation
-
-    def _retire(self) -> None:
-        if self._generation is not None:
-            self._generation.stop(grace=_STOP_GRACE)
-            _abandoned.extend(self._generation.threads[r] for r in self._generation.stuck)
-            self._generation = None
+    def _after_failure(self, outcomes: list[RankOutcome], timed_out: bool) -> None:
+        self._discard()  # retire the generation (see the module docstring)
 
 
 # Rank threads that never came back from a call; a thread cannot be killed, only left.
