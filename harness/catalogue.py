@@ -6,6 +6,10 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+# CatalogueError is re-exported: callers catch ``catalogue.CatalogueError``.
+from harness.errors import CatalogueError as CatalogueError
+from harness.errors import check_one_of, raised_as, require
+
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "specs" / "catalogue.toml"
 DEFAULT_SUITES = Path(__file__).resolve().parent.parent / "suites"
 _FIELDS = ("id", "area", "suite", "statement", "provenance", "status")
@@ -20,10 +24,6 @@ class Spec:
     statement: str
     provenance: str
     status: str
-
-
-class CatalogueError(ValueError):
-    """The catalogue file is malformed; the message names the entry and the field."""
 
 
 def load(path: Path = DEFAULT_PATH) -> dict[str, Spec]:
@@ -52,12 +52,11 @@ def _parse(entry: dict[str, object], index: int, path: Path) -> Spec:
     unknown = sorted(set(entry) - set(_FIELDS))
     if unknown:
         raise CatalogueError(f"{where} ({entry['id']!r}) has unknown fields {unknown}")
-    if entry["status"] not in _STATUSES:
-        raise CatalogueError(f"{where}: status={entry['status']!r} must be one of {_STATUSES}")
-    spec_id = str(entry["id"])
+    spec_id, area = str(entry["id"]), entry["area"]
     parts = spec_id.split(".")
-    if len(parts) < 2 or not all(p.replace("_", "").isalnum() and p.islower() for p in parts):
-        raise CatalogueError(f"{where}: id={spec_id!r} must be dotted lower_snake_case words")
-    if parts[0] != entry["area"]:
-        raise CatalogueError(f"{where}: id={spec_id!r} must start with its area {entry['area']!r}")
+    words = len(parts) >= 2 and all(p.replace("_", "").isalnum() and p.islower() for p in parts)
+    with raised_as(CatalogueError, where):
+        check_one_of("status", entry["status"], _STATUSES)
+        require(words, "id", spec_id, "dotted lower_snake_case words")
+        require(parts[0] == area, "id", spec_id, f"prefixed by its area {area!r}")
     return Spec(**{f: str(entry[f]) for f in _FIELDS})

@@ -11,7 +11,8 @@ This module imports nothing of distconf's: any module, ``specs`` included, may u
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
+from contextlib import contextmanager
 from typing import NoReturn
 
 
@@ -21,7 +22,19 @@ class DistconfError(Exception):
 
 class InvalidArgument(DistconfError, ValueError):
     """A value distconf was given is not one it accepts; the message names the value and
-    what was expected."""
+    what was expected. Raised through ``invalid``, it also keeps them apart (``name``,
+    ``value``, ``expected``), so a front end can name its own spelling of the argument
+    (``--world-sizes`` for ``world_sizes``)."""
+
+    name: str | None = None
+    value: object = None
+    expected: str | None = None
+
+    def renamed(self, name: str) -> InvalidArgument:
+        """The same complaint about the argument as the caller spells it."""
+        if self.name is None or self.expected is None:
+            return self
+        return invalid(name, self.value, self.expected)
 
 
 class WorldStartError(DistconfError, RuntimeError):
@@ -58,7 +71,9 @@ class ScreenshotError(DistconfError, RuntimeError):
 
 def invalid(name: str, value: object, expected: str) -> InvalidArgument:
     """The error for ``name=value`` not being ``expected`` (a phrase: "a positive int")."""
-    return InvalidArgument(f"{name}={value!r} must be {expected}")
+    error = InvalidArgument(f"{name}={value!r} must be {expected}")
+    error.name, error.value, error.expected = name, value, expected
+    return error
 
 
 def require(condition: bool, name: str, value: object, expected: str) -> None:
@@ -72,15 +87,30 @@ def fail(name: str, value: object, expected: str) -> NoReturn:
     raise invalid(name, value, expected)
 
 
+@contextmanager
+def raised_as(error: type[DistconfError], where: str) -> Iterator[None]:
+    """Within the block, an ``InvalidArgument`` is raised as ``error`` with ``where`` (a file
+    and entry) before its message: checks of a file's values through the helpers below,
+    reported as the file's own error (``CatalogueError``, ``ExpectationError``)."""
+    try:
+        yield
+    except InvalidArgument as exc:
+        raise error(f"{where}: {exc}") from None
+
+
 def check_one_of(name: str, value: object, allowed: Collection[object]) -> None:
     """``value`` is one of ``allowed``."""
     require(value in allowed, name, value, f"one of {tuple(allowed)!r}")
 
 
-def check_subset(name: str, values: Iterable[object], allowed: Collection[object]) -> None:
-    """Every one of ``values`` is one of ``allowed``."""
+def check_subset(
+    name: str, values: Iterable[object], allowed: Collection[object], *, non_empty: bool = False
+) -> None:
+    """Every one of ``values`` is one of ``allowed`` (and, if ``non_empty``, there is one)."""
     values = tuple(values)
-    require(all(v in allowed for v in values), name, values, f"a subset of {tuple(allowed)!r}")
+    ok = all(v in allowed for v in values) and (bool(values) or not non_empty)
+    subset = "a non-empty subset" if non_empty else "a subset"
+    require(ok, name, values, f"{subset} of {tuple(allowed)!r}")
 
 
 def check_int(name: str, value: object, minimum: int = 1) -> int:

@@ -18,15 +18,15 @@ from typing import Any
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
+# ExpectationError is re-exported: callers catch ``expectations.ExpectationError``.
+from harness.errors import ExpectationError as ExpectationError
+from harness.errors import check_one_of, fail, raised_as, require
+
 DEFAULT_DIR = Path(__file__).resolve().parent.parent / "specs" / "expectations"
 STATUSES = ("xfail", "skip", "flaky")
 _REQUIRED = ("spec", "status", "reason", "link")
 _CONDITIONS = ("torch", "runner", "device", "world_size")
 _OPTIONAL = (*_CONDITIONS, "raises", "example")
-
-
-class ExpectationError(ValueError):
-    """An expectations file is malformed; the message names the file, entry and field."""
 
 
 @dataclass(frozen=True)
@@ -90,45 +90,43 @@ def _parse(entry: Mapping[str, Any], source: str) -> Expectation:
     missing = [f for f in _REQUIRED if not isinstance(entry.get(f), str) or not entry.get(f)]
     if missing:
         raise ExpectationError(f"{source}: needs non-empty string fields {missing}")
-    if entry["status"] not in STATUSES:
-        raise ExpectationError(f"{source}: status={entry['status']!r} must be one of {STATUSES}")
-    return Expectation(
-        spec=entry["spec"],
-        status=entry["status"],
-        reason=entry["reason"],
-        link=entry["link"],
-        source=source,
-        torch=_specifier(entry.get("torch"), source),
-        runner=_strings(entry, "runner", source),
-        device=_strings(entry, "device", source),
-        world_size=_ints(entry, "world_size", source),
-        raises=_strings(entry, "raises", source),
-        example=str(entry.get("example", "")),
-    )
+    with raised_as(ExpectationError, source):
+        check_one_of("status", entry["status"], STATUSES)
+        return Expectation(
+            spec=entry["spec"],
+            status=entry["status"],
+            reason=entry["reason"],
+            link=entry["link"],
+            source=source,
+            torch=_specifier(entry.get("torch")),
+            runner=_strings(entry, "runner"),
+            device=_strings(entry, "device"),
+            world_size=_ints(entry, "world_size"),
+            raises=_strings(entry, "raises"),
+            example=str(entry.get("example", "")),
+        )
 
 
-def _specifier(value: Any, source: str) -> SpecifierSet | None:
+def _specifier(value: Any) -> SpecifierSet | None:
     if value is None:
         return None
     try:
         return SpecifierSet(str(value))
     except InvalidSpecifier:
-        raise ExpectationError(
-            f"{source}: torch={value!r} must be a version range such as '>=2.13,<2.14'"
-        ) from None
+        fail("torch", value, "a version range such as '>=2.13,<2.14'")
 
 
-def _strings(entry: Mapping[str, Any], field: str, source: str) -> tuple[str, ...]:
+def _strings(entry: Mapping[str, Any], field: str) -> tuple[str, ...]:
     value = entry.get(field, [])
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ExpectationError(f"{source}: {field}={value!r} must be a list of strings")
+    ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+    require(ok, field, value, "a list of strings")
     return tuple(value)
 
 
-def _ints(entry: Mapping[str, Any], field: str, source: str) -> tuple[int, ...]:
+def _ints(entry: Mapping[str, Any], field: str) -> tuple[int, ...]:
     value = entry.get(field, [])
-    if not isinstance(value, list) or not all(isinstance(v, int) and v > 0 for v in value):
-        raise ExpectationError(f"{source}: {field}={value!r} must be a list of positive ints")
+    ok = isinstance(value, list) and all(isinstance(v, int) and v > 0 for v in value)
+    require(ok, field, value, "a list of positive ints")
     return tuple(value)
 
 
@@ -181,7 +179,6 @@ def _exception_class(name: str, source: str) -> type[BaseException]:
     known: dict[str, Any] = {"RankFailure": RankFailure}
     found = known.get(name, getattr(builtins, name, None))
     if not (isinstance(found, type) and issubclass(found, BaseException)):
-        raise ExpectationError(
-            f"{source}: raises={name!r} is not a builtin exception or RankFailure"
-        )
+        with raised_as(ExpectationError, source):
+            fail("raises", name, "the name of a builtin exception or RankFailure")
     return found

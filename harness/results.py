@@ -27,6 +27,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, TextIO
 
+from harness.errors import DistconfError, check_one_of
+
 SCHEMA = 1
 STATUSES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed", "timeout", "crashed")
 UNEXPECTED = ("failed", "error", "xpassed", "timeout", "crashed")
@@ -83,8 +85,7 @@ class TestRecord:
     kind: str = "test"
 
     def __post_init__(self) -> None:
-        if self.status not in STATUSES:
-            raise ValueError(f"status={self.status!r} must be one of {STATUSES}")
+        check_one_of("status", self.status, STATUSES)
 
 
 def _version(distribution: str) -> str | None:
@@ -180,7 +181,7 @@ class ResultsWriter:
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._file is None:
-            raise ValueError(f"results file {self.path} is already closed")
+            raise DistconfError(f"results file {self.path} is already closed")
         self._file.write(json.dumps(record, default=str) + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())

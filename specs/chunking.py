@@ -8,12 +8,13 @@ the last one.
 
 from __future__ import annotations
 
+from harness.errors import check_int, require
+
 
 def _check_sizes(n: int, k: int) -> None:
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise ValueError(f"n={n!r} must be a non-negative int (the size of the dim to split)")
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"k={k!r} must be a positive int (the number of ranks on the axis)")
+    """``n``: the size of the dim to split; ``k``: the number of ranks on the mesh axis."""
+    check_int("n", n, 0)
+    check_int("k", k)
 
 
 def chunk_size(n: int, k: int) -> int:
@@ -43,6 +44,5 @@ def shard_offsets(n: int, k: int) -> tuple[int, ...]:
 def shard_range(n: int, k: int, rank: int) -> tuple[int, int]:
     """``(offset, size)`` of ``rank``'s piece."""
     _check_sizes(n, k)
-    if not isinstance(rank, int) or not 0 <= rank < k:
-        raise ValueError(f"rank={rank!r} must be an int in [0, {k})")
+    require(isinstance(rank, int) and 0 <= rank < k, "rank", rank, f"an int in [0, {k})")
     return shard_offsets(n, k)[rank], shard_sizes(n, k)[rank]

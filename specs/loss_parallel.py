@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from harness.errors import check_one_of
 from specs.placements import Partial, Placement, Replicate, Shard
 
 CLASS_DIM = 1
@@ -58,8 +59,7 @@ def layouts(
     placements: Sequence[Placement], reduction: str, *, target_is_dtensor: bool
 ) -> Layouts | Rejected:
     """What ``cross_entropy(input, target, reduction=...)`` gives under ``loss_parallel``."""
-    if reduction not in ("none", "mean", "sum"):
-        raise ValueError(f"reduction={reduction!r} must be 'none', 'mean' or 'sum'")
+    check_one_of("reduction", reduction, ("none", "mean", "sum"))
     axis = tp_axis(placements)
     if axis is None:
         return Rejected(

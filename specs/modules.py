@@ -32,6 +32,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TypeAlias
 
+from harness.errors import check_one_of, fail, require
+
 KINDS = ("linear", "mlp", "seq", "stack", "list")
 CALLABLE_KINDS = ("linear", "mlp", "seq", "stack")
 APIS = ("fully_shard", "replicate")
@@ -149,25 +151,22 @@ class ModuleGraph:
 
 
 def _check_nodes(nodes: tuple[Node, ...]) -> None:
-    if not nodes:
-        raise ValueError(f"nodes={nodes!r} must hold at least the root")
+    require(bool(nodes), "nodes", nodes, "a non-empty tuple (the root at least)")
     for i, node in enumerate(nodes):
-        if node.kind not in KINDS:
-            raise ValueError(f"nodes[{i}].kind={node.kind!r} must be one of {KINDS}")
-        if any(not isinstance(c, int) or not i < c < len(nodes) for c in node.children):
-            raise ValueError(
-                f"nodes[{i}].children={node.children!r} must be indices in ({i}, {len(nodes)})"
-            )
-        kinds = tuple(nodes[c].kind for c in node.children)
+        check_one_of(f"nodes[{i}].kind", node.kind, KINDS)
+        field, children = f"nodes[{i}].children", node.children
+        indices = all(isinstance(c, int) and i < c < len(nodes) for c in children)
+        require(indices, field, children, f"indices in ({i}, {len(nodes)})")
+        kinds = tuple(nodes[c].kind for c in children)
         wanted = {"linear": (), "mlp": ("linear", "linear"), "stack": ("list",)}.get(node.kind)
         if wanted is not None and kinds != wanted:
-            raise ValueError(f"nodes[{i}] is a {node.kind} with children {kinds}, not {wanted}")
-        if wanted is None and any(k not in CALLABLE_KINDS for k in kinds):
-            raise ValueError(f"nodes[{i}] is a {node.kind} with a child that cannot be called")
+            fail(field, children, f"of kinds {wanted} in a {node.kind}, not {kinds}")
+        if wanted is None and not set(kinds) <= set(CALLABLE_KINDS):
+            fail(field, children, f"callable in a {node.kind}, not {kinds}")
     parents = {c for node in nodes for c in node.children}
     orphans = [i for i in range(1, len(nodes)) if i not in parents]
-    if orphans or nodes[0].kind == "list":
-        raise ValueError(f"nodes={nodes!r}: every node but a callable root needs a parent")
+    rooted = not orphans and nodes[0].kind != "list"
+    require(rooted, "nodes", nodes, "a graph where every node but a callable root has a parent")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -183,30 +182,30 @@ def _check_ties(graph: ModuleGraph) -> None:
     for tie in graph.ties:
         for end in (tie.node, tie.source):
             if not 0 <= end < len(graph.nodes):
-                raise ValueError(f"tie={tie!r} names node {end}, not in the graph")
+                fail("tie", tie, f"between nodes of the graph, not node {end}")
             names = graph.nodes[end].param_names() + graph.nodes[end].buffer_names()
             if tie.name not in names:
-                raise ValueError(f"tie={tie!r}: node {end} has no {tie.name!r}")
-        if tie.node == tie.source or (tie.source, tie.name) in dests:
-            raise ValueError(f"tie={tie!r} must take from a node that is not itself tied")
-    if len(set(dests)) != len(dests):
-        raise ValueError(f"ties={graph.ties!r} tie one place twice")
+                fail("tie", tie, f"of one of node {end}'s {names}")
+        untied_source = tie.node != tie.source and (tie.source, tie.name) not in dests
+        require(untied_source, "tie", tie, "from a node that is not itself tied")
+    require(len(set(dests)) == len(dests), "ties", graph.ties, "ties of distinct places")
 
 
 def _check_wraps(graph: ModuleGraph) -> None:
     seen: set[int] = set()
     for i, wrap in enumerate(graph.wraps):
-        nodes = wrap.nodes
-        if wrap.api not in APIS or not nodes or len(set(nodes)) != len(nodes):
-            raise ValueError(f"wraps[{i}]={wrap!r} needs an api in {APIS} and distinct nodes")
-        if wrap.api == "replicate" and len(nodes) != 1:
-            raise ValueError(f"wraps[{i}]={wrap!r}: replicate takes one module")
-        if any(not 0 <= n < len(graph.nodes) or graph.nodes[n].kind == "list" for n in nodes):
-            raise ValueError(f"wraps[{i}]={wrap!r} must name callable nodes of the graph")
-        if seen & set(nodes):
-            raise ValueError(f"wraps[{i}]={wrap!r} wraps a module a second time")
-        if any(a in graph.below(b) for a in nodes for b in nodes):
-            raise ValueError(f"wraps[{i}]={wrap!r} groups a module with its own ancestor")
+        name, nodes = f"wraps[{i}]", wrap.nodes
+        check_one_of(f"{name}.api", wrap.api, APIS)
+        distinct = bool(nodes) and len(set(nodes)) == len(nodes)
+        require(distinct, name, wrap, "a call on distinct nodes, at least one")
+        one = wrap.api != "replicate" or len(nodes) == 1
+        require(one, name, wrap, "a replicate call on one module")
+        n_nodes = len(graph.nodes)
+        callable_ = all(0 <= n < n_nodes and graph.nodes[n].kind != "list" for n in nodes)
+        require(callable_, name, wrap, "a call on callable nodes of the graph")
+        require(not seen & set(nodes), name, wrap, "a call on modules not wrapped before")
+        nested = any(a in graph.below(b) for a in nodes for b in nodes)
+        require(not nested, name, wrap, "a call on modules none of which is another's ancestor")
         seen |= set(nodes)
     _check_wrap_order(graph)
 
@@ -216,9 +215,8 @@ def _check_wrap_order(graph: ModuleGraph) -> None:
     for i, wrap in enumerate(graph.wraps):
         for earlier in graph.wraps[:i]:
             if any(n in graph.below(m) for m in earlier.nodes for n in wrap.nodes):
-                raise ValueError(
-                    f"wraps={graph.wraps!r}: {wrap!r} comes after its ancestor {earlier!r}"
-                )
+                order = f"children first ({wrap!r} comes after its ancestor {earlier!r})"
+                fail("wraps", graph.wraps, order)
 
 
 # --- traversals in torch's order -----------------------------------------------------------
@@ -415,10 +413,11 @@ def _state_of(graph: ModuleGraph) -> dict[int, int]:
 
 
 def _check_rooted(graph: ModuleGraph) -> None:
-    if not graph.wraps or graph.wraps[-1] != Wrap("fully_shard", (0,)):
-        raise ValueError(f"wraps={graph.wraps!r} must end with fully_shard of the root (0,)")
-    if any(w.api != "fully_shard" for w in graph.wraps):
-        raise ValueError(f"wraps={graph.wraps!r}: lazy init is modelled for fully_shard only")
+    wraps = graph.wraps
+    rooted = bool(wraps) and wraps[-1] == Wrap("fully_shard", (0,))
+    require(rooted, "wraps", wraps, "calls ending with fully_shard of the root (0,)")
+    only = all(w.api == "fully_shard" for w in wraps)
+    require(only, "wraps", wraps, "fully_shard calls only (lazy init is modelled for those)")
 
 
 def all_states(graph: ModuleGraph, root: int = 0) -> tuple[int, ...]:

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from harness.errors import check_one_of, fail
+
 OPTIMIZERS = ("SGD", "Adam", "AdamW")
 
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -40,25 +42,22 @@ class OptimizerModel:
     state: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.name not in OPTIMIZERS:
-            raise ValueError(f"name={self.name!r} must be one of {OPTIMIZERS}")
-        unknown = set(self.options) - set(_DEFAULTS[self.name]) - _COMMON
-        if unknown:
-            raise ValueError(
-                f"options={dict(self.options)!r} has {sorted(unknown)!r}, which {self.name} "
-                f"does not take (it takes {sorted(set(_DEFAULTS[self.name]) | _COMMON)})"
-            )
+        check_one_of("name", self.name, OPTIMIZERS)
+        takes = set(_DEFAULTS[self.name]) | _COMMON
+        if unknown := sorted(set(self.options) - takes):
+            expected = f"keywords {self.name} takes ({sorted(takes)}), without {unknown}"
+            fail("options", dict(self.options), expected)
         self.options = {**_DEFAULTS[self.name], "maximize": False, **self.options}
 
     def step(self, params: Sequence[np.ndarray], grads: Sequence[np.ndarray]) -> None:
         if len(params) != len(grads):
-            raise ValueError(f"{len(params)} params but {len(grads)} grads: one grad per param")
+            fail("len(grads)", len(grads), f"one grad per param, len(params)={len(params)}")
         while len(self.state) < len(params):
             self.state.append({})
         rule = _sgd if self.name == "SGD" else _adam
         for param, grad, state in zip(params, grads, self.state, strict=False):
             if param.shape != grad.shape:
-                raise ValueError(f"grad shape {grad.shape} should be param shape {param.shape}")
+                fail("grad.shape", grad.shape, f"the param's shape {param.shape}")
             param[...] = rule(param, grad, state, self.name, self.lr, self.options)
 
 

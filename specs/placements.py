@@ -23,6 +23,7 @@ from typing import Literal, TypeAlias
 
 import numpy as np
 
+from harness.errors import check_one_of, fail, require
 from specs.chunking import shard_offsets, shard_sizes
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -45,8 +46,7 @@ class Partial:
     reduce_op: str = "sum"
 
     def __post_init__(self) -> None:
-        if self.reduce_op not in REDUCE_OPS:
-            raise ValueError(f"reduce_op={self.reduce_op!r} must be one of {REDUCE_OPS}")
+        check_one_of("reduce_op", self.reduce_op, REDUCE_OPS)
 
 
 Placement: TypeAlias = Shard | Replicate | Partial
@@ -58,19 +58,18 @@ def normalize(placements: Sequence[Placement], ndim: int) -> tuple[Placement, ..
 
 
 def validate(mesh_shape: Sequence[int], placements: Sequence[Placement], ndim: int) -> None:
-    """Raise ``ValueError`` unless the placements fit the mesh and a tensor of rank ``ndim``."""
-    if not mesh_shape or any(not isinstance(s, int) or s < 1 for s in mesh_shape):
-        raise ValueError(f"mesh_shape={tuple(mesh_shape)!r} must be a non-empty tuple of ints >= 1")
+    """Raise ``InvalidArgument`` (a ``ValueError``) unless the placements fit the mesh and a
+    tensor of rank ``ndim``."""
+    sizes = bool(mesh_shape) and all(isinstance(s, int) and s >= 1 for s in mesh_shape)
+    require(sizes, "mesh_shape", tuple(mesh_shape), "a non-empty tuple of ints >= 1")
     if len(placements) != len(mesh_shape):
-        raise ValueError(
-            f"placements={tuple(placements)!r} must have one entry per mesh axis "
-            f"(mesh_shape={tuple(mesh_shape)!r})"
-        )
+        expected = f"one entry per mesh axis (mesh_shape={tuple(mesh_shape)!r})"
+        fail("placements", tuple(placements), expected)
     for p in placements:
-        if not isinstance(p, Shard | Replicate | Partial):
-            raise ValueError(f"placement={p!r} must be Shard, Replicate or Partial")
+        is_placement = isinstance(p, Shard | Replicate | Partial)
+        require(is_placement, "placement", p, "a Shard, Replicate or Partial")
         if isinstance(p, Shard) and not -ndim <= p.dim < ndim:
-            raise ValueError(f"placement={p!r} does not fit a tensor of rank {ndim}")
+            fail("placement", p, f"a Shard of a dim in [{-ndim}, {ndim}) (a tensor of rank {ndim})")
 
 
 def mesh_coords(mesh_shape: Sequence[int]) -> list[Coord]:
@@ -95,6 +94,7 @@ def shard_pieces(array: np.ndarray, dim: int, k: int) -> list[np.ndarray]:
 
 
 def reduce(contributions: Sequence[np.ndarray], reduce_op: str) -> np.ndarray:
+    check_one_of("reduce_op", reduce_op, REDUCE_OPS)
     stacked = np.stack(contributions)
     if reduce_op == "sum":
         return np.asarray(stacked.sum(axis=0))
@@ -102,9 +102,7 @@ def reduce(contributions: Sequence[np.ndarray], reduce_op: str) -> np.ndarray:
         return np.asarray(stacked.sum(axis=0) / len(contributions))
     if reduce_op == "max":
         return np.asarray(stacked.max(axis=0))
-    if reduce_op == "min":
-        return np.asarray(stacked.min(axis=0))
-    raise ValueError(f"reduce_op={reduce_op!r} must be one of {REDUCE_OPS}")
+    return np.asarray(stacked.min(axis=0))
 
 
 def divide_split(value: np.ndarray, m: int, reduce_op: str) -> list[np.ndarray]:
@@ -164,8 +162,7 @@ def local_arrays(
     ``seed`` (exact for integer-valued arrays).
     """
     validate(mesh_shape, placements, global_array.ndim)
-    if partial not in ("divide", "distinct"):
-        raise ValueError(f"partial={partial!r} must be 'divide' or 'distinct'")
+    check_one_of("partial", partial, ("divide", "distinct"))
     rng = np.random.default_rng(seed)
     layout: dict[Coord, np.ndarray] = {(): global_array}
     for placement, m in zip(placements, mesh_shape, strict=True):
@@ -190,11 +187,12 @@ def assemble(
 ) -> np.ndarray:
     """The global array from the local array on every coordinate (inverse of ``local_arrays``).
 
-    Raises ``ValueError`` when coordinates are missing or replicas disagree.
+    Raises ``InvalidArgument`` (a ``ValueError``) when coordinates are missing or replicas
+    disagree.
     """
     expected = set(mesh_coords(mesh_shape))
     if set(layout) != expected:
-        raise ValueError(f"layout coords {sorted(layout)!r} should be {sorted(expected)!r}")
+        fail("sorted(layout)", sorted(layout), f"the mesh's coords {sorted(expected)!r}")
     current: dict[Coord, np.ndarray] = dict(layout)
     for axis in reversed(range(len(mesh_shape))):
         placement, merged = placements[axis], {}
@@ -210,9 +208,8 @@ def _merge(pieces: list[np.ndarray], placement: Placement, prefix: Coord) -> np.
     if isinstance(placement, Replicate):
         for i, piece in enumerate(pieces[1:], start=1):
             if piece.shape != pieces[0].shape or not np.array_equal(piece, pieces[0]):
-                raise ValueError(
-                    f"replicas differ at mesh coords {(*prefix, 0)} and {(*prefix, i)}"
-                )
+                first = (*prefix, 0)
+                fail(f"layout[{(*prefix, i)}]", piece, f"layout[{first}] (replicas differ)")
         return pieces[0]
     return reduce(pieces, placement.reduce_op)
 

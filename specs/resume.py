@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.errors import check_int, check_one_of
+
 ACTIONS = ("train", "checkpoint", "reload", "resize")
 
 
@@ -55,7 +57,7 @@ def plan(
     start: int, actions: tuple[tuple[str, int], ...]
 ) -> tuple[tuple[Phase, ...], tuple[int, ...]]:
     """The phases of the resumed run, and the world size of each step that survives."""
-    _check_size("start", start)
+    check_int("start", start)
     phases: list[Phase] = []
     world, restore, first = start, None, 0
     current: list[Resolved] = []
@@ -83,10 +85,10 @@ def plan(
 def segments(history: tuple[int, ...], final: int) -> tuple[tuple[int, int, int], ...]:
     """Uninterrupted training for ``history`` as ``(world_size, first, stop)`` runs of
     steps on one world size; no surviving step is one empty run on ``final`` ranks."""
-    _check_size("final", final)
+    check_int("final", final)
     runs: list[tuple[int, int, int]] = []
     for step, world in enumerate(history):
-        _check_size(f"history[{step}]", world)
+        check_int(f"history[{step}]", world)
         if runs and runs[-1][0] == world:
             runs[-1] = (world, runs[-1][1], step + 1)
         else:
@@ -94,19 +96,11 @@ def segments(history: tuple[int, ...], final: int) -> tuple[tuple[int, int, int]
     return tuple(runs) or ((final, 0, 0),)
 
 
-def _check_size(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a world size (an int >= 1)")
-
-
 def _check_action(index: int, kind: str, arg: int) -> None:
-    if kind not in ACTIONS:
-        raise ValueError(f"actions[{index}]={(kind, arg)!r}: the kind must be one of {ACTIONS}")
-    if kind in ("train", "resize") and (
-        not isinstance(arg, int) or isinstance(arg, bool) or arg < 1
-    ):
-        what = "a step count" if kind == "train" else "a world size"
-        raise ValueError(f"actions[{index}]={(kind, arg)!r} must give {what} >= 1")
+    """``kind`` is an action; a train's step count and a resize's world size are >= 1."""
+    check_one_of(f"actions[{index}][0]", kind, ACTIONS)
+    if kind in ("train", "resize"):
+        check_int(f"actions[{index}][1]", arg)
 
 
 def step_after(start: int, actions: tuple[tuple[str, int], ...]) -> int:

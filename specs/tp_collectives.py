@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
+from harness.errors import require
+
 Counts = dict[str, int]
 ADAM_GRAD_READS = 3
 
@@ -55,8 +57,8 @@ def transformer_collectives(
     """(forward, backward, optimizer step) collective counts per operation, over the TP
     group, of one training step; ``trainable(name)`` says whether a parameter requires
     grad (a tied output weight is the token embedding's)."""
-    if tp < 1 or n_layers < 0:
-        raise ValueError(f"tp={tp!r} and n_layers={n_layers!r} must be positive")
+    require(tp >= 1, "tp", tp, ">= 1")
+    require(n_layers >= 0, "n_layers", n_layers, ">= 0")
     if tp == 1:
         return {}, {}, {}
     flags = _prefix_flags(n_layers, trainable)

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from harness.errors import check_int, require
+
 
 def partition(group_sizes: Sequence[Sequence[int]], world_size: int) -> list[list[list[int]]]:
     """``result[rank][group]``: indices (within the group) of the parameters ``rank`` owns.
 
     ``group_sizes[g][i]`` is the number of elements of parameter ``i`` of group ``g``.
     """
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be a positive int")
+    check_int("world_size", world_size)
     for g, sizes in enumerate(group_sizes):
-        if any(not isinstance(s, int) or s < 0 for s in sizes):
-            raise ValueError(f"group_sizes[{g}]={list(sizes)!r} must be non-negative ints")
+        counts = all(isinstance(s, int) and s >= 0 for s in sizes)
+        require(counts, f"group_sizes[{g}]", list(sizes), "non-negative ints")
     totals = [0] * world_size
     owned: list[list[list[int]]] = [[[] for _ in group_sizes] for _ in range(world_size)]
     for g, sizes in enumerate(group_sizes):

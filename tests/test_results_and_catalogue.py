@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import catalogue
+from harness import catalogue, errors, expectations
 from harness.results import ResultsWriter, TestRecord, environment_stamp, read_results
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,11 +79,11 @@ def test_catalogue_loads_and_every_area_prefixes_its_ids():
         ("[[spec", "is not valid TOML"),
         (
             '[[spec]]\nid="a.b"\narea="b"\nsuite="s"\nstatement="s"\nprovenance="p"\nstatus="active"\n',
-            "must start with its area",
+            "id='a.b' must be prefixed by its area 'b'",
         ),
         (
             '[[spec]]\nid="a.b"\narea="a"\nsuite="s"\nstatement="s"\nprovenance="p"\nstatus="maybe"\n',
-            "status='maybe'",
+            r"c\.toml: \[\[spec\]\] #1: status='maybe' must be one of \('active', 'planned'\)",
         ),
         (
             '[[spec]]\nid="a.b"\narea="a"\nsuite="s"\nstatement="s"\nprovenance="p"\nstatus="active"\nowner="x"\n',
@@ -96,6 +96,26 @@ def test_malformed_catalogue_names_the_entry(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(catalogue.CatalogueError, match=message):
         catalogue.load(path)
+
+
+def test_file_errors_are_the_classes_of_harness_errors():
+    from harness.faults import FaultError
+    from harness.report import ReportError
+    from harness.report.records import ReportError as RecordsReportError
+    from harness.report.screenshot import ScreenshotError
+
+    assert catalogue.CatalogueError is errors.CatalogueError
+    assert expectations.ExpectationError is errors.ExpectationError
+    assert ReportError is RecordsReportError is errors.ReportError
+    assert ScreenshotError is errors.ScreenshotError
+    assert FaultError is errors.FaultError
+
+
+def test_writing_after_close_is_refused(tmp_path):
+    writer = ResultsWriter(tmp_path / "r.jsonl", environment_stamp())
+    writer.close()
+    with pytest.raises(errors.DistconfError, match="is already closed"):
+        writer.write_test(_record())
 
 
 def test_suites_and_catalogue_agree():

@@ -141,7 +141,7 @@ def test_assemble_rejects_replicas_that_differ():
 @pytest.mark.parametrize(
     ("mesh", "chosen", "ndim", "message"),
     [
-        ((2,), (Shard(1),), 1, "does not fit a tensor of rank 1"),
+        ((2,), (Shard(1),), 1, r"placement=Shard\(dim=1\) must be a Shard of a dim in \[-1, 1\)"),
         ((2, 2), (Replicate(),), 1, "one entry per mesh axis"),
         ((0,), (Replicate(),), 1, "mesh_shape=\\(0,\\)"),
     ],

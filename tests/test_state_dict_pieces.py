@@ -74,10 +74,10 @@ def test_a_reload_before_any_checkpoint_starts_from_the_initial_state():
 @pytest.mark.parametrize(
     ("start", "actions", "message"),
     [
-        (0, (), "start=0 must be a world size"),
-        (2, (("jump", 1),), r"actions\[0\]=\('jump', 1\): the kind must be one of"),
-        (2, (("train", 0),), r"actions\[0\]=\('train', 0\) must give a step count >= 1"),
-        (2, (("train", 1), ("resize", True)), r"actions\[1\]=\('resize', True\) must give a world"),
+        (0, (), "start=0 must be a positive int"),
+        (2, (("jump", 1),), r"actions\[0\]\[0\]='jump' must be one of"),
+        (2, (("train", 0),), r"actions\[0\]\[1\]=0 must be a positive int"),
+        (2, (("train", 1), ("resize", True)), r"actions\[1\]\[1\]=True must be a positive int"),
     ],
 )
 def test_plan_rejects_bad_actions(start, actions, message):
@@ -86,7 +86,7 @@ def test_plan_rejects_bad_actions(start, actions, message):
 
 
 def test_segments_reject_a_bad_world_size():
-    with pytest.raises(ValueError, match=r"history\[1\]=0 must be a world size"):
+    with pytest.raises(ValueError, match=r"history\[1\]=0 must be a positive int"):
         segments((2, 0), 2)
 
 
@@ -138,7 +138,7 @@ def test_state_dict_case_refuses_other_layouts_and_schedulers():
 def test_resume_case_names_a_world_size_without_layout():
     case = ResumeCase(_case(), 2, (("resize", 3),), ((2, "fsdp", (2,)),))
     assert case.at(2).train.mesh_shape == (2,)
-    with pytest.raises(ValueError, match=r"world_size=3 has no layout in"):
+    with pytest.raises(ValueError, match=r"world_size=3 must be one of the sizes of layouts="):
         case.at(3)
 
 
@@ -234,11 +234,17 @@ def test_layout_meshes_follow_the_layout():
         (lambda: state_dict_cases(2, steps=(2, 1)), r"steps=\(2, 1\) must be"),
         (lambda: state_dict_cases(2, pin_memory=()), r"pin_memory=\(\) must be"),
         (lambda: state_dict_cases(0), "world_size=0"),
-        (lambda: reshard_cases(2, ()), r"load_sizes=\(\) must name"),
+        (
+            lambda: reshard_cases(2, ()),
+            r"load_sizes=\(\) must be a non-empty sequence of world sizes",
+        ),
         (lambda: resume_cases(2, (2,), max_actions=0), "max_actions=0"),
         (lambda: layout_meshes(2, "zero", (1, 2)), "layout='zero' must be one of"),
         (lambda: strided_meshes(4, "hsdp"), "layout='hsdp' must be one of"),
-        (lambda: uneven_strided_cases(3), "world_size=3 has no mesh with shard and TP axes"),
+        (
+            lambda: uneven_strided_cases(3),
+            "world_size=3 must be a size with a TP mesh whose shard and TP axes",
+        ),
     ],
 )
 def test_strategies_reject_bad_arguments(build, message):

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from harness import strategies as hs
 from harness.cases.placements import DTYPES, DistributeCase, partial_sum_factor
+from harness.errors import InvalidArgument
 from specs.placements import Partial, Replicate, Shard, coord_of_rank, validate
 
 
@@ -92,16 +93,16 @@ def test_uneven_and_mlp_cases_stay_near_the_world_size(world_size, data):
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (lambda: hs.mesh_shapes(0), "world_size=0 must be an int >= 1"),
-        (lambda: hs.mesh_shapes(2, max_ndim=0), "max_ndim=0 must be an int >= 1"),
+        (lambda: hs.mesh_shapes(0), "world_size=0 must be a positive int"),
+        (lambda: hs.mesh_shapes(2, max_ndim=0), "max_ndim=0 must be a positive int"),
         (lambda: hs.shapes(min_ndim=2, max_ndim=1), "max_ndim=1 must be an int >= 2"),
         (lambda: hs.dtypes(["float16"]), "allowed=\\('float16',\\) must be a non-empty subset"),
-        (lambda: hs.placements(0, 2), "mesh_ndim=0 must be an int >= 1"),
+        (lambda: hs.placements(0, 2), "mesh_ndim=0 must be a positive int"),
         (lambda: hs.placements(1, 2, reduce_ops=["prod"]), "reduce_ops=\\('prod',\\)"),
     ],
 )
 def test_bad_arguments_name_the_value(make, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InvalidArgument, match=message):
         make()
 
 
@@ -119,7 +120,7 @@ def test_bad_arguments_name_the_value(make, message):
     ],
 )
 def test_case_strategies_validate_world_size_when_built(strategy):
-    with pytest.raises(ValueError, match="world_size=-1 must be an int >= 1"):
+    with pytest.raises(InvalidArgument, match="world_size=-1 must be a positive int"):
         strategy(-1)
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from hypothesis import given, settings
 
 from harness.cases.placements import DistributeCase
+from harness.errors import check_one_of
 from harness.strategies import distribute_cases
 from harness.torchkit.context import RankContext
 from harness.torchkit.dtensor import distribute, view_of
@@ -100,8 +101,7 @@ def _spawned_rank(
 
 def _body(name: str, world_size: int) -> tuple[Callable[..., Any], list[tuple[Any, ...]]]:
     """The rank function and the argument tuples its calls rotate through."""
+    check_one_of("body", name, ("trivial", "placement"))
     if name == "trivial":
         return trivial, [()]
-    if name == "placement":
-        return placement, [(case,) for case in sample_cases(world_size, 50)]
-    raise ValueError(f"body={name!r} must be 'trivial' or 'placement'")
+    return placement, [(case,) for case in sample_cases(world_size, 50)]

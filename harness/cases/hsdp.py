@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.cases.training import ParityCase
-from harness.errors import check_one_of
+from harness.errors import check_one_of, require
 
 HSDP_APIS = ("fsdp1", "fully_shard")
 HYBRID_STRATEGIES = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
@@ -41,8 +41,8 @@ class HSDPCase:
         check_one_of("wrapping", self.wrapping, WRAPPINGS)
         check_one_of("groups", self.groups, GROUP_SOURCES)
         check_one_of("training.layout", self.training.layout, ("hsdp",))
-        if len(self.training.mesh_shape) != 2:
-            raise ValueError(f"training.mesh_shape={self.training.mesh_shape!r} must be 2-D")
+        mesh = self.training.mesh_shape
+        require(len(mesh) == 2, "training.mesh_shape", mesh, "2-D")
 
     @property
     def mesh_shape(self) -> tuple[int, int]:

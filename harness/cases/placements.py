@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from harness.errors import check_one_of, require
 from specs.placements import Partial, Placement
 
 DTYPES = ("float32", "float64", "bfloat16", "int64")
@@ -30,8 +31,7 @@ def integer_array(shape: tuple[int, ...], seed: int, *, multiple_of: int = 1) ->
     in every dtype the cases use, so placement properties can compare exactly. The array is
     read-only and memoised: every rank thread and the driver ask for the same one.
     """
-    if multiple_of < 1:
-        raise ValueError(f"multiple_of={multiple_of!r} must be a positive int")
+    require(multiple_of >= 1, "multiple_of", multiple_of, "a positive int")
     bound = max(0, _MAX_MAGNITUDE // multiple_of)
     rng = np.random.default_rng(seed)
     values = rng.integers(-bound, bound + 1, size=shape) * multiple_of
@@ -95,8 +95,8 @@ class OpCase:
     applications: tuple[tuple[int, bool], ...]
 
     def __post_init__(self) -> None:
-        if not self.applications:
-            raise ValueError(f"applications={self.applications!r} must name at least one")
+        applications = self.applications
+        require(bool(applications), "applications", applications, "a non-empty tuple")
 
     def call(self, index: int | None = None) -> str:
         chosen = self.applications if index is None else self.applications[index : index + 1]
@@ -114,13 +114,10 @@ class ReshapeCase:
     """``view`` or ``reshape``."""
 
     def __post_init__(self) -> None:
-        if self.method not in ("view", "reshape"):
-            raise ValueError(f"method={self.method!r} must be 'view' or 'reshape'")
-        if math.prod(self.target) != math.prod(self.source.shape):
-            raise ValueError(
-                f"target={self.target!r} must hold the {math.prod(self.source.shape)} elements "
-                f"of shape {self.source.shape!r}"
-            )
+        check_one_of("method", self.method, ("view", "reshape"))
+        size, shape = math.prod(self.source.shape), self.source.shape
+        holds_all = math.prod(self.target) == size
+        require(holds_all, "target", self.target, f"a shape of the {size} elements of {shape!r}")
 
     def call(self) -> str:
         return f"{self.method}{self.target} of {self.source.call()}"

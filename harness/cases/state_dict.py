@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, replace
 
 from harness.cases.training import ParityCase
+from harness.errors import check_one_of, fail, require
 
 SHARDED_LAYOUTS = ("fsdp", "hsdp", "fsdp_tp", "hsdp_tp")
 
@@ -29,10 +30,9 @@ class StateDictCase:
     pin_memory: bool = False
 
     def __post_init__(self) -> None:
-        if self.train.layout not in SHARDED_LAYOUTS:
-            raise ValueError(f"train.layout={self.train.layout!r} must be one of {SHARDED_LAYOUTS}")
-        if self.train.optim.scheduler is not None:
-            raise ValueError(f"train.optim.scheduler={self.train.optim.scheduler!r} must be None")
+        check_one_of("train.layout", self.train.layout, SHARDED_LAYOUTS)
+        scheduler = self.train.optim.scheduler
+        require(scheduler is None, "train.optim.scheduler", scheduler, "None")
 
     @property
     def shard_size(self) -> int:
@@ -86,7 +86,7 @@ class ResumeCase:
             if size == world_size:
                 train = replace(self.base.train, layout=layout, mesh_shape=mesh)
                 return replace(self.base, train=train)
-        raise ValueError(f"world_size={world_size!r} has no layout in {self.layouts}")
+        fail("world_size", world_size, f"one of the sizes of layouts={self.layouts!r}")
 
     def call(self) -> str:
         steps = " ".join(f"{a}({n})" if a in ("train", "resize") else a for a, n in self.actions)

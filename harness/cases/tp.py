@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.cases.training import ParityCase
-from harness.errors import check_one_of
+from harness.errors import check_one_of, check_subset, fail, require
 from specs.placements import Partial, Placement, Replicate, Shard
 
 
@@ -27,15 +27,12 @@ class TPCase:
     def __post_init__(self) -> None:
         check_one_of("training.layout", self.training.layout, ("fsdp_tp",))
         dp, tp = self.training.mesh_shape
-        if dp != 1 or len(self.training.dims) != 3:
-            raise ValueError(
-                f"training={self.training!r} must be a two-Linear MLP on a (1, tp) mesh"
-            )
-        if self.sequence_parallel and self.training.batch_per_rank % tp:
-            raise ValueError(
-                f"batch_per_rank={self.training.batch_per_rank!r} must split evenly over "
-                f"tp={tp} under sequence parallelism"
-            )
+        plain_tp = dp == 1 and len(self.training.dims) == 3
+        require(plain_tp, "training", self.training, "a two-Linear MLP on a (1, tp) mesh")
+        rows = self.training.batch_per_rank
+        splits = not self.sequence_parallel or rows % tp == 0
+        expected = f"a multiple of tp={tp} under sequence parallelism (split evenly)"
+        require(splits, "training.batch_per_rank", rows, expected)
 
     @property
     def tp(self) -> int:
@@ -97,12 +94,10 @@ class LossCase:
         check_one_of("reduction", self.reduction, LOSS_REDUCTIONS)
         for p in self.placements:
             if not (p is None or p == "partial" or (isinstance(p, int) and p >= 0)):
-                raise ValueError(f"placements={self.placements!r} holds {p!r}")
-        if len(self.placements) != len(self.mesh_shape):
-            raise ValueError(
-                f"placements={self.placements!r} must name one placement per mesh axis "
-                f"of {self.mesh_shape!r}"
-            )
+                fail("placements", self.placements, f"None, 'partial' or dims >= 0, not {p!r}")
+        one_each = len(self.placements) == len(self.mesh_shape)
+        expected = f"one placement per axis of mesh_shape={self.mesh_shape!r}"
+        require(one_each, "placements", self.placements, expected)
 
     @property
     def classes(self) -> int:
@@ -184,18 +179,16 @@ class TransformerCase:
     difference into a jump of up to ``2 * lr``)."""
 
     def __post_init__(self) -> None:
-        problems = [
-            (self.n_heads % self.tp, "n_heads must split evenly over tp ranks"),
-            (self.dim % self.n_heads, "dim must be a multiple of n_heads"),
-            (self.vocab % self.tp, "vocab must split evenly over tp ranks"),
-            (self.sequence_parallel and self.seq_len % self.tp, "seq_len must split over tp"),
-        ]
-        for broken, why in problems:
-            if broken:
-                raise ValueError(f"{why}: {self!r}")
-        names = transformer_param_names(self.n_layers, self.weight_tying)
-        if self.trainable is not None and not set(self.trainable) <= set(names):
-            raise ValueError(f"trainable={self.trainable!r} names parameters not in {names}")
+        tp, heads = self.tp, self.n_heads
+        require(heads % tp == 0, "n_heads", heads, f"a multiple of tp={tp} (split evenly)")
+        require(self.dim % heads == 0, "dim", self.dim, f"a multiple of n_heads={heads}")
+        require(self.vocab % tp == 0, "vocab", self.vocab, f"a multiple of tp={tp} (split evenly)")
+        seq_splits = not self.sequence_parallel or self.seq_len % tp == 0
+        expected = f"a multiple of tp={tp} under sequence parallelism"
+        require(seq_splits, "seq_len", self.seq_len, expected)
+        if self.trainable is not None:
+            names = transformer_param_names(self.n_layers, self.weight_tying)
+            check_subset("trainable", self.trainable, names)
 
     @property
     def max_seq_len(self) -> int:

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from harness.errors import check_one_of, require
 from specs.placements import Placement
 
 
@@ -55,10 +56,8 @@ class OptimConfig:
     """``(step_size, gamma)`` of a ``StepLR``."""
 
     def __post_init__(self) -> None:
-        if self.name not in OPTIMIZERS:
-            raise ValueError(f"name={self.name!r} must be one of {OPTIMIZERS}")
-        if self.impl not in IMPLEMENTATIONS:
-            raise ValueError(f"impl={self.impl!r} must be one of {IMPLEMENTATIONS}")
+        check_one_of("name", self.name, OPTIMIZERS)
+        check_one_of("impl", self.impl, IMPLEMENTATIONS)
 
     def kwargs(self) -> dict[str, Any]:
         """Constructor keyword arguments (the first group's hyper-parameters)."""
@@ -104,13 +103,10 @@ class ParityCase:
     """Keyword arguments of the DDP constructor (ddp, zero) or of every ``fully_shard``."""
 
     def __post_init__(self) -> None:
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout={self.layout!r} must be one of {LAYOUTS}")
-        if self.micro_batches < 1 or self.batch_per_rank % self.micro_batches:
-            raise ValueError(
-                f"micro_batches={self.micro_batches!r} must be >= 1 and divide "
-                f"batch_per_rank={self.batch_per_rank!r}"
-            )
+        check_one_of("layout", self.layout, LAYOUTS)
+        micro, rows = self.micro_batches, self.batch_per_rank
+        divides = micro >= 1 and rows % micro == 0
+        require(divides, "micro_batches", micro, f">= 1 and divide batch_per_rank={rows!r}")
 
     @property
     def data_parallel(self) -> int:

@@ -20,6 +20,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from harness.errors import FaultError
 from harness.faults import (
     blind_dtensor,
     blind_state_dict,
@@ -30,7 +31,7 @@ from harness.faults import (
     state_dict,
     training,
 )
-from harness.faults._patch import Fault, FaultError, Patch, Undo
+from harness.faults._patch import Fault, Patch, Undo
 
 ENV_VAR = "DISTCONF_FAULTS"
 FILES_ENV_VAR = "DISTCONF_FAULT_FILES"

@@ -8,12 +8,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from harness.errors import FaultError
+
 Undo = Callable[[], None]
 _MISSING = object()
-
-
-class FaultError(Exception):
-    """A fault cannot be applied: unknown ID, or its patch target is gone from this torch."""
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ import textwrap
 from collections.abc import Callable
 from typing import Any
 
-from harness.faults._patch import Fault, FaultError, Patch
+from harness.errors import FaultError
+from harness.faults._patch import Fault, Patch
 
 _COMMON = "torch.distributed.fsdp._fully_shard._fsdp_common"
 _PARAM = "torch.distributed.fsdp._fully_shard._fsdp_param"

@@ -6,7 +6,7 @@ only. Data shaping lives in ``records`` (reading), ``model`` (summary, matrix, f
 lays it out with the templates of ``templates/``.
 """
 
-from harness.report.records import ReportError
+from harness.errors import ReportError
 from harness.report.render import build_page, render_report
 
 __all__ = ["ReportError", "build_page", "render_report"]

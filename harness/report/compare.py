@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from harness.errors import check_one_of
 from harness.report.model import SEVERITY, column_of, facts, worst
 from harness.report.records import Loaded, Metric, Record, SourceFile
 
@@ -239,8 +240,7 @@ def compare(
     now: Loaded, base: Loaded, anchors: Mapping[int, str], match: Match = "auto"
 ) -> Comparison:
     """How ``now`` differs from ``base``; ``anchors`` link a record to its failure card."""
-    if match not in MATCHES:
-        raise ValueError(f"match={match!r} must be one of {MATCHES}")
+    check_one_of("match", match, MATCHES)
     mode = _mode(now.records, base.records, match)
     after, before = _sides(now.records, mode, anchors), _sides(base.records, mode, {})
     kinds = _classify(after, before)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.report.records import ReportError
+from harness.errors import ReportError
 
 
 @dataclass(frozen=True)

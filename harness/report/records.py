@@ -13,11 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.errors import ReportError as ReportError  # re-exported: callers import it here
 from harness.results import STATUSES, Results, is_unexpected, read_results
-
-
-class ReportError(ValueError):
-    """The report cannot be made: a results file is missing, or no test ran."""
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from pathlib import Path
 import jinja2
 
 from harness import catalogue
+from harness.errors import CatalogueError, ReportError
 from harness.report import compare, model, mutation, parity, records
-from harness.report.records import ReportError
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def environment() -> jinja2.Environment:
 def _catalogue(path: Path | None) -> dict[str, catalogue.Spec]:
     try:
         return catalogue.load(path or catalogue.DEFAULT_PATH)
-    except catalogue.CatalogueError as exc:
+    except CatalogueError as exc:
         raise ReportError(str(exc)) from None
 
 

@@ -20,6 +20,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from harness.errors import ScreenshotError as ScreenshotError  # re-exported
+
 WIDTH = 1400
 MAX_HEIGHT = 16_000
 """Chromium cannot capture windows much taller; longer pages are cut there."""
@@ -29,10 +31,6 @@ _MEASURE = (
     "<script>document.body.setAttribute('data-page-height',"
     " String(document.documentElement.scrollHeight));</script>"
 )
-
-
-class ScreenshotError(RuntimeError):
-    """Chromium is missing, failed, or wrote no screenshot."""
 
 
 def find_chromium() -> str:

@@ -64,6 +64,7 @@ from harness.strategies.tp import (
     transformer_cases,
 )
 from harness.strategies.training import (
+    DTENSOR_UNSUPPORTED,
     join_cases,
     mlp_cases,
     optim_configs,
@@ -75,6 +76,7 @@ from harness.strategies.training import (
 )
 
 __all__ = [
+    "DTENSOR_UNSUPPORTED",
     "MAX_MESH_NDIM",
     "MAX_SIDE",
     "class_counts",

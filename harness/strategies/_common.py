@@ -1,10 +1,10 @@
 """Building blocks of distconf's hypothesis strategies: argument checks, world and tensor
 shapes, dtypes, seeds.
 
-Strategies run only in the driver. Each public strategy validates its arguments eagerly and
-names the bad value (``world_size=0 must be ...``); what it draws always fits together.
-Strategy objects are built once per distinct argument: building them inside every draw costs
-more than the draw itself.
+Strategies run only in the driver. Each public strategy validates its arguments eagerly
+through ``harness.errors`` (``world_size=0 must be a positive int``); what it draws always
+fits together. Strategy objects are built once per distinct argument: building them inside
+every draw costs more than the draw itself.
 """
 
 from __future__ import annotations
@@ -19,35 +19,27 @@ from typing import Any, TypeVar
 from hypothesis import strategies as st
 
 from harness.cases.placements import DTYPES
+from harness.errors import check_int, check_subset
 
 T = TypeVar("T")
 MAX_SIDE = 17
 MAX_MESH_NDIM = 3
 
 
-def check_int(name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
-
-
 def takes_world_size(
     composite: Callable[..., st.SearchStrategy[T]],
 ) -> Callable[..., st.SearchStrategy[T]]:
-    """Validate ``world_size`` when the strategy is built, not when it is first drawn from;
-    build each distinct strategy once (tests ask for one in every example)."""
+    """Validate ``world_size`` (``harness.errors.check_int``) when the strategy is built, not
+    when it is first drawn from; build each distinct strategy once (tests ask for one in
+    every example)."""
     built = functools.lru_cache(maxsize=256, typed=True)(composite)
 
     @functools.wraps(composite)
     def strategy(world_size: int, **kwargs: Any) -> st.SearchStrategy[T]:
-        check_int("world_size", world_size, 1)
+        check_int("world_size", world_size)
         return built(world_size, **kwargs)
 
     return strategy
-
-
-def check_subset(name: str, values: Sequence[str], allowed: Sequence[str]) -> None:
-    if not values or any(v not in allowed for v in values):
-        raise ValueError(f"{name}={tuple(values)!r} must be a non-empty subset of {allowed}")
 
 
 @cache
@@ -85,8 +77,8 @@ def mesh_shapes(
     Four draws in five avoid size-1 axes, which add mesh dims that move no data; the fifth
     may have them (a size-1 axis is still a case DTensor must get right).
     """
-    check_int("world_size", world_size, 1)
-    check_int("max_ndim", max_ndim, 1)
+    check_int("world_size", world_size)
+    check_int("max_ndim", max_ndim)
     every = factorisations(world_size, max_ndim)
     real = tuple(shape for shape in every if 1 not in shape) or every
     return mix((4, sampled(real)), (1, sampled(every)))
@@ -102,7 +94,7 @@ def shapes(
     check_int("min_ndim", min_ndim, 0)
     check_int("max_ndim", max_ndim, min_ndim)
     check_int("max_side", max_side, 0)
-    check_int("near", near, 1)
+    check_int("near", near)
     return _shapes(min_ndim, max_ndim, max_side, min(near, max_side))
 
 
@@ -125,7 +117,7 @@ def _shapes(
 
 
 def dtypes(allowed: Sequence[str] = DTYPES) -> st.SearchStrategy[str]:
-    check_subset("allowed", allowed, DTYPES)
+    check_subset("allowed", allowed, DTYPES, non_empty=True)
     return sampled(tuple(allowed))
 
 

@@ -17,13 +17,10 @@ from harness.cases.hsdp import (
     HSDPCase,
     SyncCase,
 )
-from harness.errors import check_one_of
-from harness.strategies._common import check_int, factorisations, sampled, seeds, takes_world_size
-from harness.strategies.training import parity_cases
+from harness.errors import check_int, check_one_of, require
+from harness.strategies._common import factorisations, sampled, seeds, takes_world_size
+from harness.strategies.training import DTENSOR_UNSUPPORTED, parity_cases
 
-# fused SGD has no DTensor sharding strategy in torch 2.13 (spec optim.fsdp.fused_sgd):
-# fully_shard's parameters are DTensors, FSDP1's are plain tensors.
-DTENSOR_UNSUPPORTED = frozenset({("SGD", "fused")})
 MESH_KINDS = ("any", "replicated_shards", "one_rank_shards")
 """``replicated_shards``: every 2-D factorisation except a one-rank shard group under a
 replicate axis of several ranks; ``one_rank_shards``: exactly that, ``(world, 1)``."""
@@ -32,15 +29,15 @@ replicate axis of several ranks; ``one_rank_shards``: exactly that, ``(world, 1)
 @cache
 def hsdp_meshes(world_size: int, kind: str = "any") -> tuple[tuple[int, int], ...]:
     """``(replicate, shard)`` meshes of ``world_size`` ranks, size-1 axes included."""
-    check_int("world_size", world_size, 1)
+    check_int("world_size", world_size)
     check_one_of("kind", kind, MESH_KINDS)
     shapes = [(s[0], s[1]) for s in factorisations(world_size, 2) if len(s) == 2]
     if kind == "any":
         return tuple(shapes)
     one_rank = [(r, s) for r, s in shapes if s == 1 and r > 1]
     if kind == "one_rank_shards":
-        if not one_rank:
-            raise ValueError(f"world_size={world_size!r} has no (world, 1) mesh with replicas")
+        replicas = ">= 2 for a (world, 1) mesh with replicas"
+        require(bool(one_rank), "world_size", world_size, replicas)
         return tuple(one_rank)
     return tuple(s for s in shapes if s not in one_rank)
 
@@ -129,8 +126,7 @@ def save_load_cases(
     optim = dataclasses.replace(case.training.optim, scheduler=None)
     case = dataclasses.replace(case, training=dataclasses.replace(case.training, optim=optim))
     if mixed_mesh:
-        if not fsdp1:
-            raise ValueError(f"mixed_mesh={mixed_mesh!r} is an FSDP1 case, not api={api!r}")
+        require(fsdp1, "mixed_mesh", mixed_mesh, f"False with api={api!r} (an FSDP1 case)")
         case = dataclasses.replace(case, wrapping="mixed", groups="device_mesh")
     elif fsdp1 and case.wrapping == "mixed" and case.groups == "device_mesh":
         case = dataclasses.replace(case, groups="process_groups")

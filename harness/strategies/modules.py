@@ -27,14 +27,8 @@ from hypothesis import assume
 from hypothesis import strategies as st
 
 from harness.cases.modules import GraphCase, MLPMeshCase, ShardDimCase
-from harness.strategies._common import (
-    check_int,
-    factorisations,
-    mix,
-    sampled,
-    seeds,
-    takes_world_size,
-)
+from harness.errors import check_int, check_one_of, require
+from harness.strategies._common import factorisations, mix, sampled, seeds, takes_world_size
 from specs.chunking import num_chunks
 from specs.fsdp_layouts import strided_shard_agrees
 from specs.modules import Loc, ModuleGraph, Node, Tie, Wrap, simulate
@@ -65,11 +59,9 @@ def module_graphs(
 ) -> st.SearchStrategy[ModuleGraph]:
     """Module graphs with a ``fully_shard`` plan of kind ``plan`` (see the module doc);
     ``ties=False``: no tied parameters or buffers (beyond the ties ``plan`` needs)."""
-    if plan not in PLANS:
-        raise ValueError(f"plan={plan!r} must be one of {PLANS}")
+    check_one_of("plan", plan, PLANS)
     check_int("max_nodes", max_nodes, 3)
-    if not isinstance(ties, bool):
-        raise ValueError(f"ties={ties!r} must be a bool")
+    require(isinstance(ties, bool), "ties", ties, "a bool")
     return _module_graphs(plan, max_nodes, ties)
 
 
@@ -301,8 +293,7 @@ def mesh_mlp_cases(
     tensor, which ``fsdp_init.params.zero_size_dim`` checks on its own. On meta, values
     are written with ``distribute_tensor``, so only where DTensor's ``_StridedShard`` means
     FSDP's layout (``fsdp_init.tp.distribute_tensor_agrees`` checks the others)."""
-    if kind not in MESH_KINDS:
-        raise ValueError(f"kind={kind!r} must be one of {MESH_KINDS}")
+    check_one_of("kind", kind, MESH_KINDS)
     return _mesh_mlp_cases(world_size, kind=kind, meta=meta)
 
 
@@ -372,9 +363,9 @@ def strided_disagreement_cases(world_size: int) -> st.SearchStrategy[MLPMeshCase
     """FSDP-over-TP MLPs whose hidden size DTensor's ``_StridedShard`` lays out differently
     from FSDP (no TP piece empty); ``world_size`` must have such a mesh (6, 8, 9, 10, ...:
     both axes >= 2 and dp >= 3, see ``strided_disagreement_world_sizes``)."""
-    check_int("world_size", world_size, 1)
-    if not _disagreements(world_size):
-        raise ValueError(f"world_size={world_size!r} has no (dp, tp, hidden) where they differ")
+    check_int("world_size", world_size)
+    differ = "a size with a (dp, tp, hidden) where _StridedShard and FSDP differ (6, 8, 9, ...)"
+    require(bool(_disagreements(world_size)), "world_size", world_size, differ)
     return _strided_disagreement_cases(world_size)
 
 

@@ -10,8 +10,8 @@ from functools import cache
 from hypothesis import strategies as st
 
 from harness.cases.placements import DistributeCase, OpCase, RedistributeCase, ReshapeCase
+from harness.errors import check_int, check_subset, require
 from harness.strategies._common import (
-    check_int,
     dtypes,
     mesh_shapes,
     sampled,
@@ -43,10 +43,9 @@ def placements(
     value depends on the order the axes are reduced in, and ``distribute_tensor`` refuses
     mixed ops. Pass ``reduce_ops=()`` for no ``Partial`` at all.
     """
-    check_int("mesh_ndim", mesh_ndim, 1)
+    check_int("mesh_ndim", mesh_ndim)
     check_int("tensor_ndim", tensor_ndim, 0)
-    if any(op not in REDUCE_OPS for op in reduce_ops):
-        raise ValueError(f"reduce_ops={tuple(reduce_ops)!r} must be a subset of {REDUCE_OPS}")
+    check_subset("reduce_ops", reduce_ops, REDUCE_OPS)
     return _placements(mesh_ndim, tensor_ndim, tuple(reduce_ops))
 
 
@@ -164,8 +163,7 @@ def _prime_factors(n: int) -> list[int]:
 def scan_negative_dim_cases(draw: st.DrawFn, world_size: int) -> OpCase:
     """cumsum along a dim given counted from the back, on a tensor a 1-D mesh of
     ``world_size`` >= 2 ranks shards along that dim."""
-    if world_size < 2:
-        raise ValueError(f"world_size={world_size!r} must be >= 2 for a dim to be split")
+    require(world_size >= 2, "world_size", world_size, ">= 2 for a dim to be split")
     ndim = draw(st.integers(1, 3))
     dim = draw(st.integers(0, ndim - 1))
     shape = [draw(st.integers(1, 3)) for _ in range(ndim)]
@@ -189,8 +187,7 @@ def flatten_empty_cases(draw: st.DrawFn, world_size: int) -> OpCase:
 def extremum_empty_shard_cases(draw: st.DrawFn, world_size: int) -> OpCase:
     """amax along, or amin over, a dim sharded on a 1-D mesh of ``world_size`` >= 2 ranks
     into fewer pieces than ranks: the trailing ranks hold empty shards."""
-    if world_size < 2:
-        raise ValueError(f"world_size={world_size!r} must be >= 2 for a rank to hold nothing")
+    require(world_size >= 2, "world_size", world_size, ">= 2 for a rank to hold nothing")
     ndim = draw(st.integers(1, 3))
     dim = draw(st.integers(0, ndim - 1))
     shape = [draw(st.integers(1, 3)) for _ in range(ndim)]

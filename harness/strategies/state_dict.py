@@ -10,18 +10,10 @@ from hypothesis import strategies as st
 
 from harness.cases.state_dict import SHARDED_LAYOUTS, ReshardCase, ResumeCase, StateDictCase
 from harness.cases.training import OPTIMIZERS, TP_LAYOUTS
-from harness.strategies._common import (
-    check_int,
-    check_subset,
-    factorisations,
-    sampled,
-    takes_world_size,
-)
-from harness.strategies.training import optim_configs, parity_cases
+from harness.errors import check_int, check_one_of, check_subset, require
+from harness.strategies._common import factorisations, sampled, takes_world_size
+from harness.strategies.training import DTENSOR_UNSUPPORTED, optim_configs, parity_cases
 from specs.resume import step_after
-
-# fused SGD has no DTensor sharding strategy in torch 2.13 (spec optim.fsdp.fused_sgd).
-DTENSOR_UNSUPPORTED = frozenset({("SGD", "fused")})
 
 
 def state_dict_cases(
@@ -44,12 +36,12 @@ def state_dict_cases(
     ``pin_memory`` (True needs an accelerator). ``even_strided`` draws TP layouts' hidden
     size as a multiple of shard axis × TP degree: torch 2.13 cannot set full state dicts
     into uneven ``_StridedShard`` pieces (spec state_dict.full.uneven_strided)."""
-    check_subset("layouts", layouts, SHARDED_LAYOUTS)
-    check_subset("names", names, OPTIMIZERS)
-    if not (isinstance(steps, tuple) and len(steps) == 2 and 0 <= steps[0] <= steps[1]):
-        raise ValueError(f"steps={steps!r} must be a (low, high) pair with 0 <= low <= high")
-    if not pin_memory or any(not isinstance(p, bool) for p in pin_memory):
-        raise ValueError(f"pin_memory={tuple(pin_memory)!r} must be a non-empty tuple of bools")
+    check_subset("layouts", layouts, SHARDED_LAYOUTS, non_empty=True)
+    check_subset("names", names, OPTIMIZERS, non_empty=True)
+    pair = isinstance(steps, tuple) and len(steps) == 2 and 0 <= steps[0] <= steps[1]
+    require(pair, "steps", steps, "a (low, high) pair with 0 <= low <= high")
+    bools = bool(pin_memory) and all(isinstance(p, bool) for p in pin_memory)
+    require(bools, "pin_memory", tuple(pin_memory), "a non-empty tuple of bools")
     return _state_dict_cases(
         world_size,
         layouts=tuple(layouts),
@@ -105,9 +97,8 @@ def layout_meshes(
     """Meshes ``layout`` can use on ``world_size`` ranks for an MLP of ``dims``: 1-D for
     fsdp; (replicate, shard) for hsdp; (dp, tp) for fsdp_tp and (replicate, shard, tp) for
     hsdp_tp, tp dividing the hidden size of a two-layer MLP (none otherwise)."""
-    check_int("world_size", world_size, 1)
-    if layout not in SHARDED_LAYOUTS:
-        raise ValueError(f"layout={layout!r} must be one of {SHARDED_LAYOUTS}")
+    check_int("world_size", world_size)
+    check_one_of("layout", layout, SHARDED_LAYOUTS)
     if layout in ("fsdp", "hsdp"):
         return _meshes(world_size, layout)
     return tuple(s for s in _meshes(world_size, layout) if len(dims) == 3 and dims[1] % s[-1] == 0)
@@ -126,9 +117,8 @@ def _shard_axis(layout: str, mesh: tuple[int, ...]) -> int:
 def strided_meshes(world_size: int, layout: str) -> tuple[tuple[int, ...], ...]:
     """Meshes of a TP ``layout`` on ``world_size`` ranks whose shard and TP axes both have
     2 or more ranks: there FSDP shards TP pieces again (``_StridedShard``)."""
-    if layout not in TP_LAYOUTS:
-        raise ValueError(f"layout={layout!r} must be one of {TP_LAYOUTS}")
-    check_int("world_size", world_size, 1)
+    check_one_of("layout", layout, TP_LAYOUTS)
+    check_int("world_size", world_size)
     meshes = _meshes(world_size, layout)
     return tuple(m for m in meshes if m[-1] > 1 and _shard_axis(layout, m) > 1)
 
@@ -138,8 +128,8 @@ def uneven_strided_cases(world_size: int) -> st.SearchStrategy[StateDictCase]:
     divides and shard axis × TP degree does not: FSDP's pieces of the TP pieces are
     uneven (or empty)."""
     usable = tuple(n for n in TP_LAYOUTS if strided_meshes(world_size, n))
-    if not usable:
-        raise ValueError(f"world_size={world_size!r} has no mesh with shard and TP axes > 1")
+    expected = "a size with a TP mesh whose shard and TP axes both have 2+ ranks"
+    require(bool(usable), "world_size", world_size, expected)
     return _uneven_strided_cases(world_size, usable)
 
 
@@ -176,12 +166,12 @@ def reshard_cases(
 ) -> st.SearchStrategy[ReshardCase]:
     """A trained case saved on ``world_size`` ranks and loaded on ``m`` ranks drawn from
     ``load_sizes``, each side under its own layout from ``layouts``."""
-    check_int("world_size", world_size, 1)
+    check_int("world_size", world_size)
     for size in load_sizes:
-        check_int("load_sizes[...]", size, 1)
-    if not load_sizes:
-        raise ValueError(f"load_sizes={tuple(load_sizes)!r} must name a world size")
-    check_subset("layouts", layouts, SHARDED_LAYOUTS)
+        check_int("load_sizes[...]", size)
+    sizes = "a non-empty sequence of world sizes"
+    require(len(load_sizes) > 0, "load_sizes", tuple(load_sizes), sizes)
+    check_subset("layouts", layouts, SHARDED_LAYOUTS, non_empty=True)
     return _reshard_cases(world_size, tuple(load_sizes), tuple(layouts))
 
 
@@ -205,13 +195,12 @@ def resume_cases(
     ``world_size`` ranks, resizing to world sizes of ``sizes``, each size under a layout of
     ``layouts``. A checkpoint is drawn only once the run has trained: checkpointing an
     optimizer that never stepped changes it (spec state_dict.optim.get_has_no_side_effect)."""
-    check_int("world_size", world_size, 1)
-    check_int("max_actions", max_actions, 1)
-    if not sizes:
-        raise ValueError(f"sizes={tuple(sizes)!r} must name a world size")
+    check_int("world_size", world_size)
+    check_int("max_actions", max_actions)
+    require(len(sizes) > 0, "sizes", tuple(sizes), "a non-empty sequence of world sizes")
     for size in sizes:
-        check_int("sizes[...]", size, 1)
-    check_subset("layouts", layouts, SHARDED_LAYOUTS)
+        check_int("sizes[...]", size)
+    check_subset("layouts", layouts, SHARDED_LAYOUTS, non_empty=True)
     return _resume_cases(world_size, tuple(sizes), tuple(layouts), max_actions)
 
 

@@ -8,16 +8,9 @@ from functools import cache
 from hypothesis import strategies as st
 
 from harness.cases.tp import LossCase, TiedCase, TPCase, TransformerCase, transformer_param_names
-from harness.errors import check_one_of
-from harness.strategies._common import (
-    check_int,
-    factorisations,
-    sampled,
-    seeds,
-    takes_world_size,
-)
-from harness.strategies.hsdp import DTENSOR_UNSUPPORTED
-from harness.strategies.training import parity_cases
+from harness.errors import check_int, check_one_of, require
+from harness.strategies._common import factorisations, sampled, seeds, takes_world_size
+from harness.strategies.training import DTENSOR_UNSUPPORTED, parity_cases
 from specs.chunking import shard_sizes
 
 HIDDEN_KINDS = ("even", "uneven", "one")
@@ -30,16 +23,14 @@ def hidden_sizes(tp: int, kind: str) -> tuple[int, ...]:
     """Hidden sizes up to ``3 * tp + 1`` that ``tp`` divides (``even``, from 2) or does not
     (``uneven``); ``one``: the hidden size 1 on one rank (tp.mlp.hidden_one), which over
     more ranks is uneven."""
-    check_int("tp", tp, 1)
+    check_int("tp", tp)
     check_one_of("kind", kind, HIDDEN_KINDS)
     if kind == "one":
-        if tp != 1:
-            raise ValueError(f"tp={tp!r}: hidden size 1 is uneven over several ranks")
+        require(tp == 1, "tp", tp, "1 for hidden size 1 (over several ranks it is uneven)")
         return (1,)
     sizes = range(2, 3 * tp + 2) if kind == "even" else range(1, 3 * tp + 2)
     chosen = tuple(h for h in sizes if (h % tp == 0) == (kind == "even"))
-    if not chosen:
-        raise ValueError(f"tp={tp!r} has no {kind} hidden size (every size divides by 1)")
+    require(bool(chosen), "tp", tp, f">= 2 for an {kind} hidden size (every size divides by 1)")
     return chosen
 
 
@@ -51,7 +42,7 @@ def tp_cases(
     ``sequence_parallel`` None draws it. Under sequence parallelism the batch splits
     evenly over the ranks. Hidden size 1 (``one``) comes with biases: without them the
     MLP never views a one-element sharded gradient (tp.mlp.hidden_one)."""
-    check_int("world_size", world_size, 1)
+    check_int("world_size", world_size)
     hidden_sizes(world_size, hidden)  # validates
     return _tp_cases(world_size, hidden=hidden, sequence_parallel=sequence_parallel)
 
@@ -94,13 +85,12 @@ def tied_cases(draw: st.DrawFn, world_size: int) -> TiedCase:
 def class_counts(tp: int, kind: str) -> tuple[int, ...]:
     """Class counts up to ``3 * tp + 1`` whose ``Shard`` over ``tp`` ranks leaves no rank
     empty (``nonempty``) or some rank empty (``empty``)."""
-    check_int("tp", tp, 1)
+    check_int("tp", tp)
     check_one_of("kind", kind, CLASS_KINDS)
     counts = tuple(
         c for c in range(1, 3 * tp + 2) if (0 in shard_sizes(c, tp)) == (kind == "empty")
     )
-    if not counts:
-        raise ValueError(f"tp={tp!r} leaves no rank without classes: no {kind} class count")
+    require(bool(counts), "tp", tp, f">= 2 for an {kind} class count (a rank without classes)")
     return counts
 
 
@@ -110,7 +100,7 @@ def loss_cases(
     """Inputs sharded on the class dim by one mesh axis; on a 2-D mesh the other axis
     shards the batch, the extra dim of a 3-D input, or replicates. Reductions: all three
     on a 1-D mesh, ``none`` and ``sum`` on a 2-D one (``mean`` is rejected there)."""
-    check_int("world_size", world_size, 1)
+    check_int("world_size", world_size)
     check_one_of("mesh_ndim", mesh_ndim, (1, 2))
     check_one_of("classes", classes, CLASS_KINDS)
     return _loss_cases(world_size, mesh_ndim=mesh_ndim, classes=classes)

@@ -23,8 +23,8 @@ from harness.cases.training import (
     PartitionCase,
     StepCase,
 )
+from harness.errors import check_one_of, check_subset, fail, require
 from harness.strategies._common import (
-    check_subset,
     factorisations,
     mesh_shapes,
     sampled,
@@ -34,6 +34,11 @@ from harness.strategies._common import (
 )
 from harness.strategies.placements import placements
 from specs.chunking import shard_sizes
+
+DTENSOR_UNSUPPORTED = frozenset({("SGD", "fused")})
+"""``(optimizer, implementation)`` pairs with no DTensor sharding strategy in torch 2.13
+(spec optim.fsdp.fused_sgd): not drawn where parameters are DTensors (``fully_shard``, TP);
+FSDP1's and DDP's parameters are plain tensors."""
 
 
 @takes_world_size
@@ -102,11 +107,11 @@ def optim_configs(
     sometimes a StepLR. ``unsupported`` lists ``(name, impl)`` pairs not to draw;
     ``stateful`` draws only optimizers that keep state (SGD with momentum);
     ``groups=False`` never draws a second group or a scheduler."""
-    check_subset("names", names, OPTIMIZERS)
-    check_subset("impls", impls, IMPLEMENTATIONS)
+    check_subset("names", names, OPTIMIZERS, non_empty=True)
+    check_subset("impls", impls, IMPLEMENTATIONS, non_empty=True)
     pairs = tuple((n, i) for n in names for i in impls if (n, i) not in unsupported)
-    if not pairs:
-        raise ValueError(f"unsupported={sorted(unsupported)!r} leaves no optimizer to draw")
+    leaves_one = "pairs that leave some optimizer of names × impls to draw"
+    require(bool(pairs), "unsupported", sorted(unsupported), leaves_one)
     return _optim_configs(pairs, stateful, groups)
 
 
@@ -144,13 +149,10 @@ def parity_cases(
     ``clip_grad_norm_`` bound of the 2-, 1- or inf-norm and wrapper options (DDP bucketing;
     ``fully_shard``'s ``reshard_after_forward``).
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}")
+    check_one_of("layout", layout, LAYOUTS)
     if mixed_precision and variants:
-        raise ValueError(
-            "mixed_precision=True and variants=True: the one-device emulation of "
-            "mixed precision averages each step's gradients once, unclipped"
-        )
+        why = "the one-device emulation of mixed precision averages each step's gradients once"
+        fail("variants", variants, f"False with mixed_precision=True ({why}, unclipped)")
     return _parity_cases(
         world_size,
         layout=layout,

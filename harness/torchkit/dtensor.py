@@ -14,6 +14,7 @@ from torch.distributed.tensor import Shard as TorchShard
 from torch.distributed.tensor.placement_types import Placement as TorchPlacement
 
 from harness.cases.placements import DistributeCase
+from harness.errors import check_one_of
 from harness.torchkit.context import RankContext
 from specs.placements import Coord, Partial, Placement, Replicate, Shard
 
@@ -26,8 +27,7 @@ TORCH_DTYPES = {
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    if name not in TORCH_DTYPES:
-        raise ValueError(f"dtype={name!r} must be one of {tuple(TORCH_DTYPES)}")
+    check_one_of("dtype", name, TORCH_DTYPES)
     return TORCH_DTYPES[name]
 
 

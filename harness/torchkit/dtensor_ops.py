@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from harness.errors import check_one_of
+
 
 @dataclass(frozen=True)
 class Op:
@@ -78,6 +80,5 @@ OPS: dict[str, Op] = {
 
 
 def apply(name: str, tensor: torch.Tensor, dim: int, keepdim: bool) -> torch.Tensor:
-    if name not in OPS:
-        raise ValueError(f"op={name!r} must be one of {sorted(OPS)}")
+    check_one_of("op", name, sorted(OPS))
     return OPS[name].apply(tensor, dim, keepdim)
