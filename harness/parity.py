@@ -3,6 +3,10 @@
 Exact comparisons are for data movement (placements, chunks), where any difference is a bug.
 ``assert_close`` is for arithmetic done in a different order (sharded training against one
 device); every caller states its tolerances and why they are not zero.
+
+``[call]`` is the reproduction of the example being checked, attached once per example
+(``attach(case.call())`` right after drawing the case) rather than passed to every
+comparison; the plugin clears it at the start of every example and of every test.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+
+from harness.errors import require
 
 _EPS = {"float64": 2.0**-52, "float32": 2.0**-23, "bfloat16": 2.0**-7, "int64": 1.0}
 
@@ -48,23 +54,48 @@ def _first_mismatch(actual: np.ndarray, expected: np.ndarray) -> tuple[int, ...]
     return tuple(int(i) for i in np.argwhere(differs)[0])
 
 
-def _tag(call: str) -> str:
-    return f" [{call}]" if call else ""
+_attached = ""
+"""The reproduction of the current example; empty: none attached."""
 
 
-def assert_equal_values(actual: Any, expected: Any, *, what: str, call: str = "") -> None:
+def attach(call: str) -> None:
+    """Attach ``call``, the reproduction of the current example: every ``assert_*`` failure
+    (and every ``failure``) ends with it in brackets until another is attached or the next
+    example or test starts. A test attaches its case's ``call()`` right after drawing it, and
+    a more specific text before comparing a part of the case run on its own."""
+    global _attached
+    require(isinstance(call, str), "call", call, "a str")
+    _attached = call
+
+
+def new_example() -> None:
+    """Forget the attached reproduction: the plugin calls this as every example starts, so a
+    failure before the example attaches its own names no other example's."""
+    global _attached
+    _attached = ""
+
+
+def _tag() -> str:
+    return f" [{_attached}]" if _attached else ""
+
+
+def failure(message: str) -> AssertionError:
+    """The error for a check no ``assert_*`` helper states: ``message`` ("got X, should be Y")
+    with the attached reproduction. ``raise failure(...)``."""
+    return AssertionError(f"{message}{_tag()}")
+
+
+def assert_equal_values(actual: Any, expected: Any, *, what: str) -> None:
     """Plain values (shapes, placements, dtypes): got X, should be Y."""
+    __tracebackhide__ = True
     if actual != expected:
-        raise AssertionError(f"{what}: got {actual!r}, should be {expected!r}{_tag(call)}")
+        raise failure(f"{what}: got {actual!r}, should be {expected!r}")
 
 
-def assert_array_equal(
-    actual: np.ndarray, expected: np.ndarray, *, what: str, call: str = ""
-) -> None:
+def assert_array_equal(actual: np.ndarray, expected: np.ndarray, *, what: str) -> None:
     """Same shape and bit-for-bit the same values (NaN equals NaN)."""
-    assert_equal_values(
-        tuple(actual.shape), tuple(expected.shape), what=f"shape of {what}", call=call
-    )
+    __tracebackhide__ = True
+    assert_equal_values(tuple(actual.shape), tuple(expected.shape), what=f"shape of {what}")
     if actual.size == 0:
         return
     a, e = actual.astype(np.float64), expected.astype(np.float64)
@@ -72,9 +103,9 @@ def assert_array_equal(
         return
     index = _first_mismatch(a, e)
     count = int((~((a == e) | (np.isnan(a) & np.isnan(e)))).sum())
-    raise AssertionError(
+    raise failure(
         f"{what}: got {a[index].item()!r} at index {index}, should be {e[index].item()!r} "
-        f"({count} of {a.size} elements differ){_tag(call)}"
+        f"({count} of {a.size} elements differ)"
     )
 
 
@@ -87,7 +118,6 @@ def assert_close(
     dtype: str,
     what: str,
     why: str,
-    call: str = "",
     record_as: str | None = None,
 ) -> ErrorMetrics:
     """``|actual - expected| <= atol + rtol * |expected|`` elementwise; returns the metrics.
@@ -95,11 +125,10 @@ def assert_close(
     ``why`` says why the tolerance is not zero; it is part of the failure message.
     ``record_as`` keeps the metrics for the report under that name (see ``record``).
     """
-    if not (math.isfinite(rtol) and math.isfinite(atol) and rtol >= 0 and atol >= 0):
-        raise ValueError(f"rtol={rtol!r} and atol={atol!r} must be finite and >= 0")
-    assert_equal_values(
-        tuple(actual.shape), tuple(expected.shape), what=f"shape of {what}", call=call
-    )
+    __tracebackhide__ = True
+    for name, tolerance in (("rtol", rtol), ("atol", atol)):
+        require(math.isfinite(tolerance) and tolerance >= 0, name, tolerance, "finite and >= 0")
+    assert_equal_values(tuple(actual.shape), tuple(expected.shape), what=f"shape of {what}")
     metrics = error_metrics(actual, expected, dtype)
     if record_as is not None:
         record(record_as, metrics, rtol=rtol, atol=atol)
@@ -107,12 +136,12 @@ def assert_close(
     bad = np.abs(a - e) > atol + rtol * np.abs(e)
     if bad.any():
         index = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise AssertionError(
+        raise failure(
             f"{what}: got {a[index].item()!r} at index {index}, "
             f"should be {e[index].item()!r} within "
             f"atol={atol:g} + rtol={rtol:g} ({why}); {int(bad.sum())} of {a.size} elements "
             f"outside; max abs {metrics.max_abs:.3g}, max rel {metrics.max_rel:.3g}, "
-            f"max ulp {metrics.max_ulp:.3g}{_tag(call)}"
+            f"max ulp {metrics.max_ulp:.3g}"
         )
     return metrics
 
@@ -138,13 +167,15 @@ _active: ParityLog | None = None
 
 @contextlib.contextmanager
 def collecting() -> Iterator[ParityLog]:
-    """Collect what ``record`` is given while the block runs (the plugin wraps each test)."""
-    global _active
+    """Collect what ``record`` is given while the block runs (the plugin wraps each test),
+    which starts with no reproduction attached."""
+    global _active, _attached
     previous, _active = _active, ParityLog()
+    previous_call, _attached = _attached, ""
     try:
         yield _active
     finally:
-        _active = previous
+        _active, _attached = previous, previous_call
 
 
 def note_reference(description: str) -> None:

@@ -12,7 +12,9 @@
 
 from __future__ import annotations
 
-from hypothesis import settings
+from hypothesis import Phase, settings
+
+from harness.errors import require
 
 PROFILES = ("dev", "ci", "nightly", "report")
 SEEDED = ("report",)
@@ -23,12 +25,30 @@ settings.register_profile("nightly", max_examples=1000, deadline=None)
 settings.register_profile("report", max_examples=200, database=None, deadline=None)
 
 
+def property_settings() -> settings:
+    """Settings for a property over a World: the loaded profile's, without hypothesis'
+    per-example deadline, which would misfire on the first example of a World (process-group
+    and mesh creation); World.run enforces its own.
+
+    A settings object takes what it leaves unset from the profile loaded when it is made, and
+    this module is imported before the run's profile is loaded: a suite makes its settings at
+    import (``PROPERTY = property_settings()``), never this module."""
+    return settings(deadline=None)
+
+
 def costly(cost: int) -> settings:
     """Settings for a property whose examples cost about ``cost`` times a placement
     example's: the loaded profile's example budget buys ``1/cost`` of the examples (at least
     2), so a profile bounds the time of a run rather than its example count. No per-example
     deadline: World.run enforces its own (the first example of a World builds it)."""
-    if not (isinstance(cost, int) and cost >= 1):
-        raise ValueError(f"cost={cost!r} must be an int >= 1")
+    valid = isinstance(cost, int) and not isinstance(cost, bool) and cost >= 1
+    require(valid, "cost", cost, "an int >= 1")
     budget = settings.default.max_examples if settings.default else 100
     return settings(deadline=None, max_examples=max(2, budget // cost))
+
+
+def hanging() -> settings:
+    """Settings for a property whose failing example hangs its ranks until World.run's
+    deadline (where the process runner kills them): three examples, never shrunk, since each
+    shrink step would hang again."""
+    return settings(deadline=None, max_examples=3, phases=(Phase.explicit, Phase.generate))

@@ -8,18 +8,22 @@ there skips without CUDA); the catalogue's provenance maps each upstream test to
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from harness import World
+from harness import World, parity
 from harness.cases.modules import ContainerCase
-from harness.parity import assert_array_equal, assert_close, assert_equal_values
-from harness.strategies import factorisations, seeds
-from harness.strategies.modules import (
+from harness.parity import assert_array_equal, assert_close, assert_equal_values, failure
+from harness.profiles import property_settings
+from harness.strategies import (
+    factorisations,
     graph_cases,
     mesh_mlp_cases,
+    seeds,
     shard_dim_cases,
     strided_disagreement_cases,
     strided_disagreement_world_sizes,
@@ -34,9 +38,7 @@ from suites.checks import fsdp_graphs as graphs
 from suites.checks import fsdp_meshes as meshes
 from suites.checks import fsdp_misc as misc
 
-# World.run enforces its own deadline; hypothesis' per-example deadline would misfire on
-# the first example of a World (process-group and mesh creation).
-PROPERTY = settings(deadline=None)
+PROPERTY = property_settings()
 DUPLICATE = "is shared with a parameter already managed by another FSDP group"
 
 
@@ -52,36 +54,39 @@ def _skip_unless_cuda(world: World, what: str) -> None:
 @PROPERTY
 @given(data=st.data())
 def test_managed_modules_match_model(world: World, data: st.DataObject) -> None:
-    case = data.draw(graph_cases(world.world_size, plan="managed"), label="case")
-    groups = model.simulate(case.graph)
-    for rank, views in enumerate(world.run(graphs.managed_on_rank, case)):
-        for view, group, who in expect.matching_groups(views, groups, rank, case.call()):
-            got, expected = sorted(view.modules), sorted(group.modules)
-            assert_equal_values(got, expected, what=f"modules managed by {who}", call=case.call())
+    for view, group, who in _managed_groups(world, data):
+        got, expected = sorted(view.modules), sorted(group.modules)
+        assert_equal_values(got, expected, what=f"modules managed by {who}")
 
 
 @pytest.mark.spec("fsdp_init.managed.states")
 @PROPERTY
 @given(data=st.data())
 def test_managed_states_match_model(world: World, data: st.DataObject) -> None:
-    case = data.draw(graph_cases(world.world_size, plan="managed"), label="case")
-    groups = model.simulate(case.graph)
-    for rank, views in enumerate(world.run(graphs.managed_on_rank, case)):
-        for view, group, who in expect.matching_groups(views, groups, rank, case.call()):
-            for kind in ("params", "buffers"):
-                got, expected = sorted(getattr(view, kind)), sorted(getattr(group, kind))
-                assert_equal_values(got, expected, what=f"{kind} of {who}", call=case.call())
+    for view, group, who in _managed_groups(world, data):
+        for kind in ("params", "buffers"):
+            got, expected = sorted(getattr(view, kind)), sorted(getattr(group, kind))
+            assert_equal_values(got, expected, what=f"{kind} of {who}")
 
 
 @pytest.mark.spec("fsdp_init.managed.param_module_infos")
 @PROPERTY
 @given(data=st.data())
 def test_param_module_infos_match_model(world: World, data: st.DataObject) -> None:
+    for view, group, who in _managed_groups(world, data):
+        expect.assert_infos(view, group, who)
+
+
+def _managed_groups(
+    world: World, data: st.DataObject
+) -> Iterator[tuple[graphs.GroupView, model.Group, str]]:
+    """Every rank's view of each ``fully_shard`` call of a drawn ``managed`` plan, with the
+    model's group and a label."""
     case = data.draw(graph_cases(world.world_size, plan="managed"), label="case")
+    parity.attach(case.call())
     groups = model.simulate(case.graph)
     for rank, views in enumerate(world.run(graphs.managed_on_rank, case)):
-        for view, group, who in expect.matching_groups(views, groups, rank, case.call()):
-            expect.assert_infos(view, group, who, case.call())
+        yield from expect.matching_groups(views, groups, rank)
 
 
 # --- parameters, ties, training --------------------------------------------------------------
@@ -92,11 +97,12 @@ def test_param_module_infos_match_model(world: World, data: st.DataObject) -> No
 @given(data=st.data())
 def test_unique_parameters_become_chunked_dtensors(world: World, data: st.DataObject) -> None:
     case = data.draw(graph_cases(world.world_size), label="case")
+    parity.attach(case.call())
     initial = graphs.initial_values(case)
     expected = {fqn: initial[loc] for fqn, loc in model.unique_params(case.graph)}
     for rank, view in enumerate(world.run(graphs.params_on_rank, case)):
-        assert_equal_values(view.before, tuple(expected), what="FQNs before", call=case.call())
-        expect.assert_sharded_values(view.after, expected, rank, world.world_size, case.call())
+        assert_equal_values(view.before, tuple(expected), what="FQNs before")
+        expect.assert_sharded_values(view.after, expected, rank, world.world_size)
 
 
 @pytest.mark.spec("fsdp_init.ties.survive_training")
@@ -104,10 +110,11 @@ def test_unique_parameters_become_chunked_dtensors(world: World, data: st.DataOb
 @given(data=st.data())
 def test_ties_survive_fully_shard_and_steps(world: World, data: st.DataObject) -> None:
     case = data.draw(graph_cases(world.world_size, train=True), label="case")
+    parity.attach(case.call())
     reference = graphs.reference_training(case, world.world_size)
     assert all(count == 1 for count in reference.objects.values()), "the reference is tied"
     for rank, view in enumerate(world.run(graphs.train_on_rank, case)):
-        expect.assert_ties_held(case.graph, view, rank, case.call())
+        expect.assert_ties_held(case.graph, view, rank)
 
 
 @pytest.mark.spec("fsdp_init.training.parity")
@@ -115,11 +122,12 @@ def test_ties_survive_fully_shard_and_steps(world: World, data: st.DataObject) -
 @given(data=st.data())
 def test_training_matches_one_device(world: World, data: st.DataObject) -> None:
     case = data.draw(graph_cases(world.world_size, train=True), label="case")
+    parity.attach(case.call())
     reference = graphs.reference_training(case, world.world_size)
     views = world.run(graphs.train_on_rank, case)
     losses = np.mean([v.losses for v in views], axis=0)
     for rank, view in enumerate(views):
-        expect.assert_trained_like(view, reference, rank, case.call(), losses=losses)
+        expect.assert_trained_like(view, reference, rank, losses=losses)
 
 
 # --- lazy init ---------------------------------------------------------------------------------
@@ -130,15 +138,14 @@ def test_training_matches_one_device(world: World, data: st.DataObject) -> None:
 @given(data=st.data())
 def test_lazy_init_root_and_state_order(world: World, data: st.DataObject) -> None:
     case = data.draw(graph_cases(world.world_size), label="case")
+    parity.attach(case.call())
     expected = model.lazy_init(case.graph)
     root = len(case.graph.wraps) - 1
     is_root = {i: i == root for i in range(len(case.graph.wraps))}
     for rank, view in enumerate(world.run(graphs.lazy_on_rank, case)):
-        assert_equal_values(
-            view.is_root, is_root, what=f"_is_root on rank {rank}", call=case.call()
-        )
+        assert_equal_values(view.is_root, is_root, what=f"_is_root on rank {rank}")
         what = f"all_states (as wrap indices) on rank {rank}"
-        assert_equal_values(view.states, expected.states, what=what, call=case.call())
+        assert_equal_values(view.states, expected.states, what=what)
 
 
 @pytest.mark.spec("fsdp_init.lazy.fqns")
@@ -146,6 +153,7 @@ def test_lazy_init_root_and_state_order(world: World, data: st.DataObject) -> No
 @given(data=st.data())
 def test_lazy_init_module_and_parameter_fqns(world: World, data: st.DataObject) -> None:
     case = data.draw(graph_cases(world.world_size), label="case")
+    parity.attach(case.call())
     expected = model.lazy_init(case.graph)
     groups = {g.wrap: g for g in model.simulate(case.graph)}
     params = {
@@ -153,9 +161,9 @@ def test_lazy_init_module_and_parameter_fqns(world: World, data: st.DataObject) 
     }
     for rank, view in enumerate(world.run(graphs.lazy_on_rank, case)):
         what = f"_module_fqn per wrap on rank {rank}"
-        assert_equal_values(view.module_fqns, expected.module_fqns, what=what, call=case.call())
+        assert_equal_values(view.module_fqns, expected.module_fqns, what=what)
         what = f"(parameter, _param_fqn) per wrap on rank {rank}"
-        assert_equal_values(view.param_fqns, params, what=what, call=case.call())
+        assert_equal_values(view.param_fqns, params, what=what)
 
 
 @pytest.mark.spec("fsdp_init.lazy.double_init_error")
@@ -163,13 +171,14 @@ def test_lazy_init_module_and_parameter_fqns(world: World, data: st.DataObject) 
 @given(data=st.data())
 def test_double_lazy_init_error(world: World, data: st.DataObject) -> None:
     case = data.draw(graph_cases(world.world_size), label="case")
+    parity.attach(case.call())
     nested = [i for i, w in enumerate(case.graph.wraps[:-1]) if len(w.nodes) == 1]
     assume(nested)
     first = data.draw(st.sampled_from(nested), label="initialised first")
     expected = model.double_init_error(case.graph, first)
     for rank, message in enumerate(world.run(graphs.double_init_on_rank, case, first)):
         what = f"RuntimeError of the root's lazy init on rank {rank}"
-        assert_equal_values(message, expected, what=what, call=case.call())
+        assert_equal_values(message, expected, what=what)
 
 
 @pytest.mark.spec("fsdp_init.lazy.multi_module_root_error")
@@ -177,12 +186,11 @@ def test_double_lazy_init_error(world: World, data: st.DataObject) -> None:
 @given(data=st.data())
 def test_multi_module_root_error(world: World, data: st.DataObject) -> None:
     case = data.draw(graph_cases(world.world_size, plan="multi_root"), label="case")
+    parity.attach(case.call())
     start = "FSDP requires a single root module but got ("
     for rank, message in enumerate(world.run(graphs.multi_root_on_rank, case)):
         if message is None or not message.startswith(start):
-            raise AssertionError(
-                f"rank {rank}: got {message!r}, should start {start!r} [{case.call()}]"
-            )
+            raise failure(f"rank {rank}: got {message!r}, should start {start!r}")
 
 
 # --- parameters managed by two calls ---------------------------------------------------------
@@ -193,11 +201,12 @@ def test_multi_module_root_error(world: World, data: st.DataObject) -> None:
 @given(data=st.data())
 def test_parameter_tied_across_groups_is_refused(world: World, data: st.DataObject) -> None:
     case = data.draw(graph_cases(world.world_size, plan="tied_across"), label="case")
+    parity.attach(case.call())
     message = model.lazy_init(case.graph).duplicate_error
     assert message is not None, "tied_across plans tie a parameter across two groups"
     expected = graphs.Raised("forward", "ValueError", message)
     for rank, raised in enumerate(world.run(graphs.errors_on_rank, case)):
-        assert_equal_values(raised, expected, what=f"error on rank {rank}", call=case.call())
+        assert_equal_values(raised, expected, what=f"error on rank {rank}")
 
 
 @pytest.mark.spec("fsdp_init.shared_module.cross_group_error")
@@ -205,12 +214,13 @@ def test_parameter_tied_across_groups_is_refused(world: World, data: st.DataObje
 @given(data=st.data())
 def test_module_shared_across_groups_is_refused(world: World, data: st.DataObject) -> None:
     case = data.draw(graph_cases(world.world_size, plan="shared_across"), label="case")
+    parity.attach(case.call())
     assert model.managed_twice(model.simulate(case.graph)), "two groups manage a parameter"
     for rank, raised in enumerate(world.run(graphs.errors_on_rank, case)):
         if raised is None or raised.kind != "ValueError" or DUPLICATE not in raised.message:
-            raise AssertionError(
+            raise failure(
                 f"rank {rank}: got {raised!r}, should be a ValueError saying the parameter "
-                f"{DUPLICATE!r} [{case.call()}]"
+                f"{DUPLICATE!r}"
             )
 
 
@@ -222,6 +232,7 @@ def test_module_shared_across_groups_is_refused(world: World, data: st.DataObjec
 @given(data=st.data())
 def test_meta_init_to_empty_reset_and_train(world: World, data: st.DataObject) -> None:
     case = data.draw(graph_cases(world.world_size, meta=True, train=True), label="case")
+    parity.attach(case.call())
     assign_root = data.draw(st.booleans(), label="assign new Parameters to the root's modules")
     initial, reference = (
         graphs.initial_values(case),
@@ -231,8 +242,8 @@ def test_meta_init_to_empty_reset_and_train(world: World, data: st.DataObject) -
     losses = np.mean([v.losses for v in views], axis=0)
     for rank, view in enumerate(views):
         assert view.after_reset is not None, "meta cases report the shards after reset"
-        expect.assert_first_pieces(view.after_reset, initial, rank, world.world_size, case.call())
-        expect.assert_trained_like(view, reference, rank, case.call(), losses=losses)
+        expect.assert_first_pieces(view.after_reset, initial, rank, world.world_size)
+        expect.assert_trained_like(view, reference, rank, losses=losses)
 
 
 @pytest.mark.spec("fsdp_init.meta.unmaterialized_error")
@@ -240,6 +251,7 @@ def test_meta_init_to_empty_reset_and_train(world: World, data: st.DataObject) -
 @given(data=st.data())
 def test_forward_with_meta_parameters_lists_them(world: World, data: st.DataObject) -> None:
     case = data.draw(graph_cases(world.world_size, meta=True), label="case")
+    parity.attach(case.call())
     nodes = range(len(case.graph.nodes))
     keep = tuple(sorted(data.draw(st.sets(st.sampled_from(nodes)), label="left on meta")))
     done = frozenset(
@@ -248,7 +260,7 @@ def test_forward_with_meta_parameters_lists_them(world: World, data: st.DataObje
     expected = model.meta_error(case.graph, done)
     for rank, message in enumerate(world.run(graphs.meta_error_on_rank, case, keep)):
         head = None if message is None else message.split("\n")[0]
-        assert_equal_values(head, expected, what=f"forward error on rank {rank}", call=case.call())
+        assert_equal_values(head, expected, what=f"forward error on rank {rank}")
 
 
 @pytest.mark.spec("fsdp_init.meta.broadcast_state_dict")
@@ -256,6 +268,7 @@ def test_forward_with_meta_parameters_lists_them(world: World, data: st.DataObje
 @given(data=st.data())
 def test_meta_init_from_broadcast_state_dict(world: World, data: st.DataObject) -> None:
     case = data.draw(graph_cases(world.world_size, train=True, ties=False), label="case")
+    parity.attach(case.call())
     initial, reference = (
         graphs.initial_values(case),
         graphs.reference_training(case, world.world_size),
@@ -266,8 +279,8 @@ def test_meta_init_from_broadcast_state_dict(world: World, data: st.DataObject) 
         assert view.after_reset is not None, "loaded values are reported"
         for loc, value in sorted(view.after_reset.items()):
             what = f"{loc} after load_state_dict(assign=True) on rank {rank}"
-            assert_array_equal(value, initial[loc], what=what, call=case.call())
-        expect.assert_trained_like(view, reference, rank, case.call(), losses=losses)
+            assert_array_equal(value, initial[loc], what=what)
+        expect.assert_trained_like(view, reference, rank, losses=losses)
 
 
 # --- the mesh argument -----------------------------------------------------------------------
@@ -305,26 +318,17 @@ def test_mesh_of_wrong_rank_or_without_names_is_refused(world: World, data: st.D
 @given(data=st.data())
 def test_fsdp_over_tp_placements_mean_nested_shards(world: World, data: st.DataObject) -> None:
     case = data.draw(mesh_mlp_cases(world.world_size, kind="tp", meta=True), label="case")
-    call = case.call("FSDP over TP")
+    parity.attach(case.call("FSDP over TP"))
     reference, loss = meshes.reference_step(case, case.mesh_shape[0])
     views = world.run(meshes.tp_on_rank, case)
     for rank, view in enumerate(views):
         for name, param in view.params.items():
             meshes.assert_fsdp_over_tp(param, name, reference["values"][name], rank, case)
         if case.trains_with_tp:
-            expect.assert_grads(view.grads, reference["grads"], rank, call)
+            expect.assert_grads(view.grads, reference["grads"], rank)
     if case.trains_with_tp:
         mean = np.asarray(np.mean([v.loss for v in views]))
-        assert_close(
-            mean,
-            np.asarray(loss),
-            rtol=expect.RTOL,
-            atol=expect.ATOL,
-            dtype="float64",
-            what="mean loss",
-            why=expect.WHY,
-            call=call,
-        )
+        expect.assert_close_to_one_device(mean, np.asarray(loss), what="mean loss")
 
 
 @pytest.mark.spec("fsdp_init.tp.distribute_tensor_agrees")
@@ -333,11 +337,14 @@ def test_fsdp_over_tp_placements_mean_nested_shards(world: World, data: st.DataO
 @given(data=st.data())
 def test_distribute_tensor_with_fsdp_placements_agrees(world: World, data: st.DataObject) -> None:
     case = data.draw(strided_disagreement_cases(world.world_size), label="case")
-    call = case.call("distribute_tensor(full, param.device_mesh, param.placements) vs FSDP over TP")
+    parity.attach(
+        case.call("distribute_tensor(full, param.device_mesh, param.placements) vs FSDP over TP")
+    )
     for rank, found in enumerate(world.run(meshes.strided_on_rank, case)):
-        assert found, f"rank {rank}: no _StridedShard parameter [{call}]"
+        if not found:
+            raise failure(f"rank {rank}: no _StridedShard parameter")
         for name, (held, spread) in found.items():
-            assert_array_equal(spread, held, what=f"local data of {name} on rank {rank}", call=call)
+            assert_array_equal(spread, held, what=f"local data of {name} on rank {rank}")
 
 
 @pytest.mark.spec("fsdp_init.hsdp.replicas")
@@ -345,21 +352,21 @@ def test_distribute_tensor_with_fsdp_placements_agrees(world: World, data: st.Da
 @given(data=st.data())
 def test_hsdp_placements_and_broadcast_across_replicas(world: World, data: st.DataObject) -> None:
     case = data.draw(mesh_mlp_cases(world.world_size, kind="hsdp"), label="case")
-    (replicas, shards), call = case.mesh_shape, case.call("HSDP")
+    parity.attach(case.call("HSDP"))
+    replicas, shards = case.mesh_shape
     reference, _ = meshes.reference_step(case, world.world_size)
     buffers = {"buffer": meshes.buffer_value(case)}
     for rank, view in enumerate(world.run(meshes.hsdp_on_rank, case)):
         for name, param in view.params.items():
             who, full = f"{name} on rank {rank}", reference["values"][name]
-            assert_equal_values(
-                param.placements, (Replicate(), Shard(0)), what=f"placements of {who}", call=call
-            )
+            what = f"placements of {who}"
+            assert_equal_values(param.placements, (Replicate(), Shard(0)), what=what)
             local = expect.piece(full, shards, 0, rank % shards)
-            assert_array_equal(param.local, local, what=f"local shard of {who}", call=call)
-            meshes.assert_replicas(view, name, local, replicas, rank, call)
-        expect.assert_grads(view.grads, reference["grads"], rank, call)
+            assert_array_equal(param.local, local, what=f"local shard of {who}")
+            meshes.assert_replicas(view, name, local, replicas, rank)
+        expect.assert_grads(view.grads, reference["grads"], rank)
         for name, value in buffers.items():
-            meshes.assert_replicas(view, name, value, replicas, rank, call)
+            meshes.assert_replicas(view, name, value, replicas, rank)
 
 
 @pytest.mark.spec("fsdp_init.mesh.from_group")
@@ -368,15 +375,16 @@ def test_hsdp_placements_and_broadcast_across_replicas(world: World, data: st.Da
 def test_from_group_mesh_trains_like_init_device_mesh(world: World, data: st.DataObject) -> None:
     hsdp = data.draw(st.booleans(), label="2-D HSDP (else 1-D dp of a (dp, tp) mesh)")
     case = data.draw(mesh_mlp_cases(world.world_size, kind="hsdp"), label="case")
-    call = case.call("DeviceMesh.from_group vs init_device_mesh, " + ("HSDP" if hsdp else "1-D"))
+    made = "HSDP" if hsdp else "1-D"
+    parity.attach(case.call(f"DeviceMesh.from_group vs init_device_mesh, {made}"))
     for rank, view in enumerate(world.run(meshes.from_group_on_rank, case, hsdp)):
-        assert_equal_values(view.meshes[1], view.meshes[0], what=f"mesh on rank {rank}", call=call)
-        assert_equal_values(view.losses[1], view.losses[0], what=f"loss on rank {rank}", call=call)
-        for kind, (made, made_ref) in (("param", view.params), ("grad", view.grads)):
-            assert_equal_values(sorted(made_ref), sorted(made), what=f"{kind} names", call=call)
-            for name in made:
+        assert_equal_values(view.meshes[1], view.meshes[0], what=f"mesh on rank {rank}")
+        assert_equal_values(view.losses[1], view.losses[0], what=f"loss on rank {rank}")
+        for kind, (made_from, made_ref) in (("param", view.params), ("grad", view.grads)):
+            assert_equal_values(sorted(made_ref), sorted(made_from), what=f"{kind} names")
+            for name in made_from:
                 what = f"local {kind} of {name} on rank {rank}"
-                assert_array_equal(made_ref[name], made[name], what=what, call=call)
+                assert_array_equal(made_ref[name], made_from[name], what=what)
 
 
 @pytest.mark.spec("fsdp_init.hook.all_reduce")
@@ -384,13 +392,11 @@ def test_from_group_mesh_trains_like_init_device_mesh(world: World, data: st.Dat
 @given(data=st.data())
 def test_all_reduce_hook_gives_hsdp_gradients(world: World, data: st.DataObject) -> None:
     case = data.draw(mesh_mlp_cases(world.world_size, kind="hsdp"), label="case")
-    call = case.call("FSDP over shard groups + all-reduce hook over replicate groups")
+    parity.attach(case.call("FSDP over shard groups + all-reduce hook over replicate groups"))
     reference, _ = meshes.reference_step(case, world.world_size)
     for rank, (grads, calls) in enumerate(world.run(meshes.hook_on_rank, case)):
-        assert_equal_values(
-            calls, 2 if case.nested else 1, what=f"hook calls on rank {rank}", call=call
-        )
-        expect.assert_grads(grads, reference["grads"], rank, call)
+        assert_equal_values(calls, 2 if case.nested else 1, what=f"hook calls on rank {rank}")
+        expect.assert_grads(grads, reference["grads"], rank)
 
 
 @pytest.mark.spec("fsdp_init.hook.stream_rejected")
@@ -398,11 +404,10 @@ def test_all_reduce_hook_gives_hsdp_gradients(world: World, data: st.DataObject)
 @given(data=st.data())
 def test_hsdp_refuses_a_hook_stream(world: World, data: st.DataObject) -> None:
     case = data.draw(mesh_mlp_cases(world.world_size, kind="hsdp"), label="case")
+    parity.attach(case.call("HSDP"))
     expected = "stream cannot be set when using native HSDP"
     for rank, message in enumerate(world.run(meshes.stream_rejected_on_rank, case)):
-        assert_equal_values(
-            message, expected, what=f"ValueError on rank {rank}", call=case.call("HSDP")
-        )
+        assert_equal_values(message, expected, what=f"ValueError on rank {rank}")
 
 
 @pytest.mark.spec("fsdp_init.hook.runs_in_stream")
@@ -424,6 +429,7 @@ def test_fsdp_hook_runs_in_its_stream(world: World, data: st.DataObject) -> None
 def test_fully_shard_moves_states_to_mesh_device(world: World, data: st.DataObject) -> None:
     _skip_unless_cuda(world, "fully_shard moves CPU states to the mesh's accelerator")
     case = data.draw(graph_cases(world.world_size, ties=False), label="case")
+    parity.attach(case.call())
     root = model.simulate(case.graph)[-1]
     chosen = st.sets(st.sampled_from(root.params)) if root.params else st.just(set())
     ignored = tuple(sorted(data.draw(chosen, label="ignored")))
@@ -432,12 +438,8 @@ def test_fully_shard_moves_states_to_mesh_device(world: World, data: st.DataObje
             node, name = place.split(".")
             stays = case.graph.source((int(node), name)) in ignored
             expected = "cpu" if stays else seen["device"]
-            assert_equal_values(
-                device, expected, what=f"device of {place} on rank {rank}", call=case.call()
-            )
-            assert_equal_values(
-                seen["moved"][place], seen["device"], what=f"{place} after .to()", call=case.call()
-            )
+            assert_equal_values(device, expected, what=f"device of {place} on rank {rank}")
+            assert_equal_values(seen["moved"][place], seen["device"], what=f"{place} after .to()")
 
 
 @pytest.mark.spec("fsdp_init.device.dtensor_moves")
@@ -477,6 +479,7 @@ def test_dtensor_on_another_device_type_is_refused(world: World, data: st.DataOb
 @given(data=st.data())
 def test_scalar_and_noncontiguous_parameters_are_refused(world: World, data: st.DataObject) -> None:
     case = data.draw(graph_cases(world.world_size, ties=False), label="case")
+    parity.attach(case.call())
     kind = data.draw(st.sampled_from(("scalar", "noncontiguous")), label="kind")
     linears = [n for n, s in enumerate(case.graph.nodes) if s.kind == "linear"]
     node = data.draw(st.sampled_from(linears), label="node")
@@ -488,9 +491,7 @@ def test_scalar_and_noncontiguous_parameters_are_refused(world: World, data: st.
             if raised is None
             else (raised.stage, raised.kind, raised.message[: len(expected[2])])
         )
-        assert_equal_values(
-            got, expected if expected[2] else None, what=f"error on rank {rank}", call=case.call()
-        )
+        assert_equal_values(got, expected if expected[2] else None, what=f"error on rank {rank}")
 
 
 @pytest.mark.spec("fsdp_init.params.zero_size_dim")
@@ -498,13 +499,11 @@ def test_scalar_and_noncontiguous_parameters_are_refused(world: World, data: st.
 @given(data=st.data())
 def test_zero_size_dims_are_sharded_like_others(world: World, data: st.DataObject) -> None:
     shape = data.draw(zero_size_shapes(world.world_size), label="parameter shape")
-    call = f"fully_shard of a parameter of shape {shape}"
+    parity.attach(f"fully_shard of a parameter of shape {shape}")
     for rank, (global_shape, local) in enumerate(world.run(misc.zero_size_on_rank, shape)):
-        assert_equal_values(global_shape, shape, what=f"global shape on rank {rank}", call=call)
+        assert_equal_values(global_shape, shape, what=f"global shape on rank {rank}")
         rows = shard_sizes(shape[0], world.world_size)[rank]
-        assert_equal_values(
-            local, (rows, *shape[1:]), what=f"local shape on rank {rank}", call=call
-        )
+        assert_equal_values(local, (rows, *shape[1:]), what=f"local shape on rank {rank}")
 
 
 @pytest.mark.spec("fsdp_init.containers.forward_required")
@@ -520,10 +519,10 @@ def test_containers_need_a_forward(world: World, data: st.DataObject) -> None:
     reference = misc.container_reference(case, world.world_size)
     prefix = "fully_shard does not support containers that do not implement forward: "
     for rank, (message, text, output) in enumerate(world.run(misc.container_on_rank, case)):
-        assert_equal_values(
-            message, prefix + text, what=f"ValueError on rank {rank}", call=case.call(False)
-        )
+        parity.attach(case.call(False))
+        assert_equal_values(message, prefix + text, what=f"ValueError on rank {rank}")
         rows = reference[rank * case.batch_per_rank : (rank + 1) * case.batch_per_rank]
+        parity.attach(case.call(True))
         assert_close(
             output,
             rows,
@@ -531,7 +530,6 @@ def test_containers_need_a_forward(world: World, data: st.DataObject) -> None:
             atol=expect.ATOL,
             dtype="float64",
             what=f"output on rank {rank}",
-            call=case.call(True),
             why="a batch of rows may be multiplied in another blocking than the whole batch",
         )
 
@@ -541,11 +539,12 @@ def test_containers_need_a_forward(world: World, data: st.DataObject) -> None:
 @given(data=st.data())
 def test_shard_placement_fn_layout(world: World, data: st.DataObject) -> None:
     case = data.draw(shard_dim_cases(world.world_size), label="case")
+    parity.attach(case.call())
     values = misc.linear_values(case)
     shapes = tuple(v.shape for v in values.values())
     outcome = layouts.shard_dim_outcome(shapes, case.shard_dims, world.world_size)
     for rank, result in enumerate(world.run(misc.shard_dim_on_rank, case)):
-        misc.assert_shard_dim_result(result, outcome, values, rank, world.world_size, case.call())
+        misc.assert_shard_dim_result(result, outcome, values, rank, world.world_size)
 
 
 @pytest.mark.spec("fsdp_init.params.frozen_mixed_dtypes")
@@ -553,6 +552,7 @@ def test_shard_placement_fn_layout(world: World, data: st.DataObject) -> None:
 @given(data=st.data())
 def test_frozen_parameters_of_mixed_dtypes(world: World, data: st.DataObject) -> None:
     case = data.draw(graph_cases(world.world_size), label="case")
+    parity.attach(misc.mixed_call(case))
     reference = misc.mixed_reference(case, world.world_size)
     for rank, view in enumerate(world.run(misc.mixed_on_rank, case)):
         misc.assert_mixed(view, reference, rank, world.world_size, case)
@@ -563,8 +563,9 @@ def test_frozen_parameters_of_mixed_dtypes(world: World, data: st.DataObject) ->
 @given(data=st.data())
 def test_old_import_path_classes_and_bf16_training(world: World, data: st.DataObject) -> None:
     case = data.draw(graph_cases(world.world_size, ties=False), label="case")
+    parity.attach(misc.classes_call(case))
     wrapped = {n for w in case.graph.wraps for n in w.nodes}
     expected = tuple(n in wrapped for n in range(len(case.graph.nodes)))
     reference = misc.bf16_reference(case, world.world_size)
     for rank, view in enumerate(world.run(misc.classes_on_rank, case)):
-        misc.assert_classes(view, expected, reference, rank, case)
+        misc.assert_classes(view, expected, reference, rank)

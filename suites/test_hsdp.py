@@ -10,21 +10,21 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from harness import World, parity
 from harness.cases.hsdp import GroupErrorCase, HSDPCase, SyncCase
 from harness.parity import assert_array_equal, assert_equal_values
-from harness.strategies.hsdp import group_error_cases, hsdp_cases, save_load_cases, sync_cases
+from harness.profiles import property_settings
+from harness.strategies import group_error_cases, hsdp_cases, save_load_cases, sync_cases
 from harness.torchkit.collectives import CountKey
 from harness.torchkit.optim import describe_reference, reference_run
 from suites.checks import hsdp
 from suites.checks.hsdp import save_load_on_rank
 from suites.checks.training import assert_same_training, assert_trained_like
 
-# World.run enforces its own deadline; hypothesis' per-example deadline would misfire.
-PROPERTY = settings(deadline=None)
+PROPERTY = property_settings()
 
 # Hybrid sharding sums each gradient over the shard group, then over the replicate group;
 # full sharding sums it over the world in one reduce-scatter; one device takes one mean.
@@ -35,22 +35,23 @@ TOLERANCE = {"float64": (1e-10, 1e-12), "float32": (1e-4, 1e-6)}  # (rtol, atol)
 WHY = "gradients are summed over the shard and replicate groups in another order"
 
 
+# FSDP1's one-rank shard groups under several replicas are hsdp.fsdp1.shard_size_one's.
+MESHES = {"fsdp1": "replicated_shards", "fully_shard": "any"}
+
+
+def _draw(world: World, data: st.DataObject, api: str) -> HSDPCase:
+    return data.draw(hsdp_cases(world.world_size, api=api, meshes=MESHES[api]), label="case")
+
+
 def _check_parity(world: World, case: HSDPCase) -> None:
+    parity.attach(case.call())
     reference = reference_run(case.training)
     parity.note_reference(describe_reference(case.training))
     results = world.run(hsdp.hybrid_and_full_on_rank, case)
     hybrid, full = [h for h, _ in results], [f for _, f in results]
     rtol, atol = TOLERANCE[case.training.dtype]
-    call = case.call()
     assert_same_training(
-        hybrid,
-        full,
-        case.training,
-        rtol=rtol,
-        atol=atol,
-        why=WHY,
-        against="full sharding",
-        call=call,
+        hybrid, full, case.training, rtol=rtol, atol=atol, why=WHY, against="full sharding"
     )
     assert_trained_like(reference, full, case.training, rtol=rtol, atol=atol, why=WHY)
 
@@ -59,18 +60,14 @@ def _check_parity(world: World, case: HSDPCase) -> None:
 @PROPERTY
 @given(data=st.data())
 def test_fsdp1_hybrid_trains_like_full_shard(world: World, data: st.DataObject) -> None:
-    case = data.draw(
-        hsdp_cases(world.world_size, api="fsdp1", meshes="replicated_shards"), label="case"
-    )
-    _check_parity(world, case)
+    _check_parity(world, _draw(world, data, "fsdp1"))
 
 
 @pytest.mark.spec("hsdp.fully_shard.parity")
 @PROPERTY
 @given(data=st.data())
 def test_fully_shard_hybrid_trains_like_full_shard(world: World, data: st.DataObject) -> None:
-    case = data.draw(hsdp_cases(world.world_size, api="fully_shard"), label="case")
-    _check_parity(world, case)
+    _check_parity(world, _draw(world, data, "fully_shard"))
 
 
 @pytest.mark.spec("hsdp.fsdp1.shard_size_one")
@@ -130,13 +127,13 @@ def expected_collectives(case: HSDPCase, rank: int) -> Counter[CountKey]:
 
 
 def _check_collectives(world: World, case: HSDPCase) -> None:
+    parity.attach(case.call())
     for rank, seen in enumerate(world.run(hsdp.one_step_collectives_on_rank, case)):
         expected = expected_collectives(case, rank)
         assert_equal_values(
             dict(sorted(seen.items())),
             dict(sorted(expected.items())),
             what=f"collectives (op, group ranks) of one forward and backward on rank {rank}",
-            call=case.call(),
         )
 
 
@@ -144,10 +141,7 @@ def _check_collectives(world: World, case: HSDPCase) -> None:
 @PROPERTY
 @given(data=st.data())
 def test_fsdp1_step_issues_the_expected_collectives(world: World, data: st.DataObject) -> None:
-    case = data.draw(
-        hsdp_cases(world.world_size, api="fsdp1", meshes="replicated_shards"), label="case"
-    )
-    _check_collectives(world, case)
+    _check_collectives(world, _draw(world, data, "fsdp1"))
 
 
 @pytest.mark.spec("hsdp.fully_shard.collectives")
@@ -156,8 +150,7 @@ def test_fsdp1_step_issues_the_expected_collectives(world: World, data: st.DataO
 def test_fully_shard_step_issues_the_expected_collectives(
     world: World, data: st.DataObject
 ) -> None:
-    case = data.draw(hsdp_cases(world.world_size, api="fully_shard"), label="case")
-    _check_collectives(world, case)
+    _check_collectives(world, _draw(world, data, "fully_shard"))
 
 
 def _expected_units(case: HSDPCase, rank: int) -> list[tuple[str, tuple[int, ...], object]]:
@@ -178,16 +171,14 @@ def _expected_units(case: HSDPCase, rank: int) -> list[tuple[str, tuple[int, ...
 @PROPERTY
 @given(data=st.data())
 def test_fsdp1_units_share_the_mesh_groups(world: World, data: st.DataObject) -> None:
-    case = data.draw(
-        hsdp_cases(world.world_size, api="fsdp1", meshes="replicated_shards"), label="case"
-    )
+    case = _draw(world, data, "fsdp1")
+    parity.attach(case.call())
     for rank, units in enumerate(world.run(hsdp.fsdp1_groups_on_rank, case)):
         got = [(strategy, shard, replicate) for strategy, shard, replicate, _, _ in units]
         assert_equal_values(
             got,
             _expected_units(case, rank),
             what=f"(strategy, shard group, replicate group) of each FSDP unit on rank {rank}",
-            call=case.call(),
         )
         hybrid = [u for u in units if u[2] is not None]
         objects = {(shard_id, replicate_id) for *_, shard_id, replicate_id in hybrid}
@@ -195,7 +186,6 @@ def test_fsdp1_units_share_the_mesh_groups(world: World, data: st.DataObject) ->
             len(objects),
             min(1, len(hybrid)),
             what=f"distinct (shard, replicate) group objects of the hybrid units on rank {rank}",
-            call=case.call(),
         )
 
 
@@ -206,6 +196,7 @@ SYNC_NEEDS_CUDA = (
 
 
 def _check_sync(world: World, case: SyncCase) -> None:
+    parity.attach(case.call())
     expected = hsdp.initial_params(case)
     for rank, params in enumerate(world.run(hsdp.sync_module_states_on_rank, case)):
         assert_equal_values(
@@ -213,9 +204,7 @@ def _check_sync(world: World, case: SyncCase) -> None:
         )
         for name, value in expected.items():
             # A broadcast copies values: rank 0's, bit for bit.
-            assert_array_equal(
-                params[name], value, what=f"{name} on rank {rank} after wrapping", call=case.call()
-            )
+            assert_array_equal(params[name], value, what=f"{name} on rank {rank} after wrapping")
 
 
 @pytest.mark.spec("hsdp.fsdp1.sync_module_states")
@@ -249,12 +238,12 @@ def _expected_error(case: GroupErrorCase, given_type: str) -> tuple[str, str]:
 
 
 def _check_error(world: World, case: GroupErrorCase) -> None:
+    parity.attach(repr(case))
     for rank, (error, message, given_type) in enumerate(world.run(hsdp.group_error_on_rank, case)):
         assert_equal_values(
             (error, message),
             _expected_error(case, given_type),
             what=f"exception on rank {rank}",
-            call=repr(case),
         )
 
 
@@ -281,14 +270,14 @@ FSDP1_OPTIM_STATE_DICT_ON_THREADS = (
 
 def _check_save_load(world: World, case: HSDPCase, steps_after: int) -> None:
     k = case.training.steps
-    call = f"{case.call()}; save after {k}, load into other weights, {steps_after} more step(s)"
+    parity.attach(
+        f"{case.call()}; save after {k}, load into other weights, {steps_after} more step(s)"
+    )
     for rank, result in enumerate(world.run(save_load_on_rank, case, steps_after)):
         assert_equal_values(sorted(result.loaded), sorted(result.saved), what="parameter names")
         for name, saved in result.saved.items():
             # Loading copies the saved shards: bit for bit.
-            assert_array_equal(
-                result.loaded[name], saved, what=f"{name} after load on rank {rank}", call=call
-            )
+            assert_array_equal(result.loaded[name], saved, what=f"{name} after load on rank {rank}")
         resumed, uninterrupted = result.resumed, result.uninterrupted
         # The same computation from the same parameters and optimizer state on the same
         # batches: bit for bit. A lost moment or step count changes the next update.
@@ -296,14 +285,12 @@ def _check_save_load(world: World, case: HSDPCase, steps_after: int) -> None:
             np.array(resumed.losses),
             np.array(uninterrupted.losses[k:]),
             what=f"losses after the load on rank {rank} (against uninterrupted training)",
-            call=call,
         )
         for name, value in uninterrupted.params.items():
             assert_array_equal(
                 resumed.params[name],
                 value,
                 what=f"{name} {steps_after} step(s) after the load on rank {rank}",
-                call=call,
             )
 
 

@@ -6,14 +6,14 @@ import math
 from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from harness import World, parity
 from harness.cases.training import ParityCase
 from harness.parity import assert_array_equal, assert_close
-from harness.profiles import costly
-from harness.strategies.training import optim_configs, parity_cases, step_cases
+from harness.profiles import costly, property_settings
+from harness.strategies import DTENSOR_UNSUPPORTED, optim_configs, parity_cases, step_cases
 from harness.torchkit.optim import describe_reference, reference_run
 from suites.checks.training import (
     assert_trained_like,
@@ -23,8 +23,7 @@ from suites.checks.training import (
     train_on_rank,
 )
 
-# World.run enforces its own deadline; hypothesis' per-example deadline would misfire.
-PROPERTY = settings(deadline=None)
+PROPERTY = property_settings()
 # 2-D and 3-D meshes of fully_shard over TP train two wrappers' worth of DTensors: an
 # example costs 0.6 s (fsdp_tp) and 1.4 s (hsdp_tp) at world size 4, against 0.12 s for
 # fsdp; half and a quarter of the profile's examples.
@@ -43,12 +42,24 @@ WHY = "per-rank gradients are averaged in another order than one global mean"
 
 MIXED_WHY = "float32 rounding of the average and of vectorised kernels differs by ulps"
 
-# fused SGD has no DTensor sharding strategy in torch 2.13 (spec optim.fsdp.fused_sgd);
-# every other (optimizer, implementation) pair is drawn for sharded parameters.
-DTENSOR_UNSUPPORTED = frozenset({("SGD", "fused")})
+# DTENSOR_UNSUPPORTED: fused SGD has no DTensor sharding strategy in torch 2.13 (spec
+# optim.fsdp.fused_sgd); every other (optimizer, implementation) pair is drawn for sharded
+# parameters. DDP and ZeRO step plain tensors: every pair.
+PLAIN_TENSORS = ("ddp", "zero")
+
+
+def _check_layout(world: World, data: st.DataObject, layout: str) -> None:
+    """A drawn training run under ``layout``, with every variant, against one device."""
+    unsupported = frozenset() if layout in PLAIN_TENSORS else DTENSOR_UNSUPPORTED
+    case = data.draw(
+        parity_cases(world.world_size, layout=layout, unsupported=unsupported, variants=True),
+        label="case",
+    )
+    _check(world, case)
 
 
 def _check(world: World, case: ParityCase) -> None:
+    parity.attach(case.call())
     reference = reference_run(case)
     parity.note_reference(describe_reference(case))
     trained = world.run(train_on_rank, case)
@@ -60,16 +71,7 @@ def _check(world: World, case: ParityCase) -> None:
 @PROPERTY
 @given(data=st.data())
 def test_fully_shard_training_matches_one_device(world: World, data: st.DataObject) -> None:
-    case = data.draw(
-        parity_cases(
-            world.world_size,
-            layout="fsdp",
-            unsupported=DTENSOR_UNSUPPORTED,
-            variants=True,
-        ),
-        label="case",
-    )
-    _check(world, case)
+    _check_layout(world, data, "fsdp")
 
 
 @pytest.mark.spec("optim.fsdp.fused_sgd")
@@ -94,6 +96,7 @@ def test_mixed_precision_matches_its_one_device_emulation(
         ),
         label="case",
     )
+    parity.attach(case.call())
     reference = reference_run(case)
     parity.note_reference(describe_reference(case) + ", bf16 compute emulated per rank")
     trained = world.run(train_on_rank, case)
@@ -124,16 +127,7 @@ def test_clip_inf_norm_with_an_empty_shard(world: World, data: st.DataObject) ->
 @PROPERTY
 @given(data=st.data())
 def test_hsdp_training_matches_one_device(world: World, data: st.DataObject) -> None:
-    case = data.draw(
-        parity_cases(
-            world.world_size,
-            layout="hsdp",
-            unsupported=DTENSOR_UNSUPPORTED,
-            variants=True,
-        ),
-        label="case",
-    )
-    _check(world, case)
+    _check_layout(world, data, "hsdp")
 
 
 @pytest.mark.spec("optim.fsdp_tp.parity")
@@ -141,16 +135,7 @@ def test_hsdp_training_matches_one_device(world: World, data: st.DataObject) -> 
 @FSDP_TP
 @given(data=st.data())
 def test_fsdp_tp_training_matches_one_device(world: World, data: st.DataObject) -> None:
-    case = data.draw(
-        parity_cases(
-            world.world_size,
-            layout="fsdp_tp",
-            unsupported=DTENSOR_UNSUPPORTED,
-            variants=True,
-        ),
-        label="case",
-    )
-    _check(world, case)
+    _check_layout(world, data, "fsdp_tp")
 
 
 @pytest.mark.spec("optim.hsdp_tp.parity")
@@ -158,24 +143,14 @@ def test_fsdp_tp_training_matches_one_device(world: World, data: st.DataObject) 
 @HSDP_TP
 @given(data=st.data())
 def test_hsdp_tp_training_matches_one_device(world: World, data: st.DataObject) -> None:
-    case = data.draw(
-        parity_cases(
-            world.world_size,
-            layout="hsdp_tp",
-            unsupported=DTENSOR_UNSUPPORTED,
-            variants=True,
-        ),
-        label="case",
-    )
-    _check(world, case)
+    _check_layout(world, data, "hsdp_tp")
 
 
 @pytest.mark.spec("optim.ddp.parity")
 @PROPERTY
 @given(data=st.data())
 def test_ddp_training_matches_one_device(world: World, data: st.DataObject) -> None:
-    case = data.draw(parity_cases(world.world_size, layout="ddp", variants=True), label="case")
-    _check(world, case)
+    _check_layout(world, data, "ddp")
 
 
 @pytest.mark.spec("optim.ddp.broadcast_buffers")
@@ -184,6 +159,7 @@ def test_ddp_training_matches_one_device(world: World, data: st.DataObject) -> N
 def test_ddp_forwards_start_from_rank0s_buffers(world: World, data: st.DataObject) -> None:
     case = data.draw(parity_cases(world.world_size, layout="ddp", variants=True), label="case")
     case = replace(case, micro_batches=1, sync_each_micro_batch=False)  # no_sync skips it
+    parity.attach(f"DDP {case.call()}")
     seen = world.run(ddp_forward_buffers_on_rank, case)
     for rank, buffers in enumerate(seen):
         for step, (got, want) in enumerate(zip(buffers, seen[0], strict=True)):
@@ -191,7 +167,6 @@ def test_ddp_forwards_start_from_rank0s_buffers(world: World, data: st.DataObjec
                 got,
                 want,
                 what=f"running buffer at the start of forward {step} on rank {rank} (rank 0's)",
-                call=f"DDP {case.call()}",
             )
 
 
@@ -199,8 +174,7 @@ def test_ddp_forwards_start_from_rank0s_buffers(world: World, data: st.DataObjec
 @PROPERTY
 @given(data=st.data())
 def test_zero_training_matches_one_device(world: World, data: st.DataObject) -> None:
-    case = data.draw(parity_cases(world.world_size, layout="zero", variants=True), label="case")
-    _check(world, case)
+    _check_layout(world, data, "zero")
 
 
 # The spec model computes in float64 from the same (dtype-rounded) inputs. float64: only
@@ -217,6 +191,7 @@ def test_optimizer_steps_match_the_spec_model(world: World, data: st.DataObject)
     case = data.draw(
         step_cases(world.world_size, dtensor_unsupported=DTENSOR_UNSUPPORTED), label="case"
     )
+    parity.attach(case.call())
     expected = step_model(case)
     parity.note_reference("numpy: specs.optimizers (the torch.optim documentation's algorithms)")
     gathered = world.run(step_on_rank, case)
@@ -231,6 +206,5 @@ def test_optimizer_steps_match_the_spec_model(world: World, data: st.DataObject)
                 dtype=case.dtype,
                 what=f"parameter {index} on rank {rank}",
                 why="torch rounds intermediates where the float64 model does not",
-                call=case.call(),
                 record_as=f"param/{case.dtype}",
             )

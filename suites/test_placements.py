@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-from harness import World
+from harness import World, parity
 from harness.cases.placements import DistributeCase, OpCase, ReshapeCase
-from harness.parity import assert_array_equal, assert_close
+from harness.parity import assert_array_equal, assert_close, failure
+from harness.profiles import hanging, property_settings
 from harness.strategies import (
     distribute_cases,
     extremum_to_shard_cases,
@@ -41,9 +42,7 @@ from suites.checks.dtensor import (
     reshape_on_rank,
 )
 
-# World.run enforces its own deadline; hypothesis' per-example deadline would misfire on
-# the first example of a World (process-group and mesh creation).
-PROPERTY = settings(deadline=None)
+PROPERTY = property_settings()
 
 
 @pytest.mark.spec("placements.distribute.roundtrip")
@@ -51,30 +50,22 @@ PROPERTY = settings(deadline=None)
 @given(data=st.data())
 def test_distribute_tensor_matches_model(world: World, data: st.DataObject) -> None:
     case = data.draw(distribute_cases(world.world_size, no_source=True), label="case")
-    global_array = case.global_array()
+    parity.attach(case.call())
     views = world.run(distribute_on_rank, case)
     if case.src_data_rank is None:
         _assert_own_pieces(views, case)
         return
-    assert_layout(
-        views,
-        mesh_shape=case.mesh_shape,
-        placements=case.placements,
-        global_array=global_array,
-        dtype=case.dtype,
-        call=case.call(),
-        partial_values_known=True,  # distribute_tensor divides a sum evenly, copies the rest
-    )
+    # distribute_tensor divides a sum evenly, copies the rest
+    assert_layout(views, case, partial_values_known=True)
 
 
 def _assert_own_pieces(views: list[DTensorView], case: DistributeCase) -> None:
     """src_data_rank=None: every rank holds the model's piece of the tensor it passed."""
+    __tracebackhide__ = True
     for rank, view in enumerate(views):
         coord = coord_of_rank(case.mesh_shape, rank)
         own = local_arrays(case.input_of(rank), case.mesh_shape, case.placements)[coord]
-        assert_array_equal(
-            view.local, own, what=f"to_local() on rank {rank} (of its own tensor)", call=case.call()
-        )
+        assert_array_equal(view.local, own, what=f"to_local() on rank {rank} (of its own tensor)")
 
 
 @pytest.mark.spec("placements.distribute.partial_sum_keeps_dtype")
@@ -82,17 +73,10 @@ def _assert_own_pieces(views: list[DTensorView], case: DistributeCase) -> None:
 @given(data=st.data())
 def test_distribute_partial_sum_keeps_integer_dtype(world: World, data: st.DataObject) -> None:
     case = data.draw(partial_sum_integer_cases(world.world_size), label="case")
-    global_array = case.global_array()
+    parity.attach(case.call())
     views = world.run(distribute_on_rank, case)
-    assert_layout(
-        views,
-        mesh_shape=case.mesh_shape,
-        placements=case.placements,
-        global_array=global_array,
-        dtype=case.dtype,
-        call=case.call(),
-        partial_values_known=False,  # how an integer sum is split is not specified
-    )
+    # how an integer sum is split is not specified
+    assert_layout(views, case, partial_values_known=False)
 
 
 def _shardable_ops(world: World) -> frozenset[str]:
@@ -108,17 +92,10 @@ def test_redistribute_preserves_global_value(world: World, data: st.DataObject) 
         redistribute_cases(world.world_size, shardable_ops=_shardable_ops(world)),
         label="case",
     )
-    global_array = case.global_array()
+    parity.attach(case.call())
     views = world.run(redistribute_on_rank, case)
-    assert_layout(
-        views,
-        mesh_shape=case.mesh_shape,
-        placements=case.dst,
-        global_array=global_array,
-        dtype=case.dtype,
-        call=case.call(),
-        partial_values_known=False,  # kept Partial axes hold source contributions, regrouped
-    )
+    # kept Partial axes hold source contributions, regrouped
+    assert_layout(views, case, partial_values_known=False)
 
 
 @pytest.mark.spec("placements.redistribute.partial_extremum_to_shard")
@@ -131,16 +108,9 @@ def test_redistribute_partial_extremum_to_shard(world: World, data: st.DataObjec
             f"{world.runner} runner cannot serve {', '.join(lacking)} (Partial max/min -> Shard)"
         )
     case = data.draw(extremum_to_shard_cases(world.world_size), label="case")
+    parity.attach(case.call())
     views = world.run(redistribute_on_rank, case)
-    assert_layout(
-        views,
-        mesh_shape=case.mesh_shape,
-        placements=case.dst,
-        global_array=case.global_array(),
-        dtype=case.dtype,
-        call=case.call(),
-        partial_values_known=False,
-    )
+    assert_layout(views, case, partial_values_known=False)
 
 
 @pytest.mark.spec("placements.redistribute.partial_target_rejected")
@@ -148,12 +118,13 @@ def test_redistribute_partial_extremum_to_shard(world: World, data: st.DataObjec
 @given(data=st.data())
 def test_redistribute_into_new_partial_is_rejected(world: World, data: st.DataObject) -> None:
     case = data.draw(partial_target_cases(world.world_size), label="case")
+    parity.attach(case.call())
     messages = world.run(redistribute_error_on_rank, case)
     for rank, message in enumerate(messages):
         if message is None or "redistributing to Partial is for internal use only" not in message:
-            raise AssertionError(
+            raise failure(
                 f"rank {rank}: got {message!r}, should be a RuntimeError saying "
-                f"'redistributing to Partial is for internal use only' [{case.call()}]"
+                f"'redistributing to Partial is for internal use only'"
             )
 
 
@@ -171,12 +142,14 @@ def test_ops_on_dtensors_match_one_device(world: World, data: st.DataObject) -> 
     cases = data.draw(op_cases(world.world_size), label="cases")
     results = world.run(ops_on_rank, cases)
     for number, case in enumerate(cases):
+        parity.attach(case.call())
         for index, want in enumerate(op_on_one_device(case, world.device)):
             for per_rank in results:
                 _assert_op_result(per_rank[number][index], want, case, index)
 
 
 def _assert_op_result(view: DTensorView, expected: np.ndarray, case: OpCase, index: int) -> None:
+    __tracebackhide__ = True
     rtol, atol = OP_TOLERANCE
     dim, _ = case.applications[index]
     who = f"{case.op}(dim={dim}) on rank {view.rank} (mesh coord {view.coord})"
@@ -189,7 +162,6 @@ def _assert_op_result(view: DTensorView, expected: np.ndarray, case: OpCase, ind
         dtype="float64",
         what=f"full_tensor() of {who}",
         why=OP_WHY,
-        call=case.call(),
         record_as="op/float64",
     )
     local = _expected_local(view, expected, case.source.mesh_shape)
@@ -203,7 +175,6 @@ def _assert_op_result(view: DTensorView, expected: np.ndarray, case: OpCase, ind
         dtype="float64",
         what=f"to_local() of {who}",
         why=OP_WHY,
-        call=case.call(),
     )
 
 
@@ -227,14 +198,15 @@ def _known(placements: tuple[Placement | str, ...]) -> tuple[Placement, ...]:
 @given(data=st.data())
 def test_scan_along_a_dim_counted_from_the_back(world: World, data: st.DataObject) -> None:
     case = data.draw(scan_negative_dim_cases(world.world_size), label="case")
+    parity.attach(case.call())
     (expected,) = op_on_one_device(case, world.device)
     for (view,) in world.run(op_on_rank, case):
         _assert_op_result(view, expected, case, 0)
 
 
-# A spinning rank thread cannot be stopped: the process runner kills the rank. A few
-# examples, never shrunk (a respawn each).
-HANGS = settings(deadline=None, max_examples=3, phases=(Phase.explicit, Phase.generate))
+# A spinning rank thread cannot be stopped: the process runner kills the rank (a respawn
+# per example).
+HANGS = hanging()
 
 
 @pytest.mark.spec("placements.ops.flatten_empty")
@@ -247,6 +219,7 @@ HANGS = settings(deadline=None, max_examples=3, phases=(Phase.explicit, Phase.ge
 @given(data=st.data())
 def test_flatten_of_a_tensor_without_elements(world: World, data: st.DataObject) -> None:
     case = data.draw(flatten_empty_cases(world.world_size), label="case")
+    parity.attach(case.call())
     (expected,) = op_on_one_device(case, world.device)
     for (view,) in world.run(op_on_rank, case, timeout=5.0):
         _assert_op_result(view, expected, case, 0)
@@ -257,6 +230,7 @@ def test_flatten_of_a_tensor_without_elements(world: World, data: st.DataObject)
 @given(data=st.data())
 def test_view_and_reshape_match_one_device(world: World, data: st.DataObject) -> None:
     case = data.draw(reshape_cases(world.world_size), label="case")
+    parity.attach(case.call())
     expected = case.source.global_array().reshape(case.target)
     sharded = any(isinstance(p, Shard) for p in case.source.placements)
     for rank, result in enumerate(world.run(reshape_on_rank, case)):
@@ -264,18 +238,19 @@ def test_view_and_reshape_match_one_device(world: World, data: st.DataObject) ->
             # Views never move data between ranks: torch may refuse a sharded layout local
             # views cannot serve (with several messages in 2.13), never an unsharded one.
             if not sharded:
-                raise AssertionError(
+                raise failure(
                     f"rank {rank}: got RuntimeError {result!r}, should be the reshaped tensor "
-                    f"(only a sharded tensor may be refused) [{case.call()}]"
+                    f"(only a sharded tensor may be refused)"
                 )
             continue
         _assert_reshaped(result, expected, case)
 
 
 def _assert_reshaped(view: DTensorView, expected: np.ndarray, case: ReshapeCase) -> None:
+    __tracebackhide__ = True
     who = f"{case.method} on rank {view.rank} (mesh coord {view.coord})"
     assert view.full is not None
-    assert_array_equal(view.full, expected, what=f"full_tensor() of {who}", call=case.call())
+    assert_array_equal(view.full, expected, what=f"full_tensor() of {who}")
     local = _expected_local(view, expected, case.source.mesh_shape)
     if local is not None:
-        assert_array_equal(view.local, local, what=f"to_local() of {who}", call=case.call())
+        assert_array_equal(view.local, local, what=f"to_local() of {who}")

@@ -21,19 +21,20 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness import World, Worlds
+from harness import World, Worlds, parity
 from harness.cases.state_dict import StateDictCase
 from harness.cases.training import TP_LAYOUTS
-from harness.parity import assert_array_equal, assert_equal_values
+from harness.parity import assert_array_equal, assert_equal_values, failure
 from harness.profiles import costly
-from harness.strategies.state_dict import (
+from harness.strategies import (
+    optim_configs,
+    parity_cases,
     reshard_cases,
     resume_cases,
     state_dict_cases,
     strided_meshes,
     uneven_strided_cases,
 )
-from harness.strategies.training import optim_configs, parity_cases
 from harness.torchkit.dtensor import to_numpy
 from harness.torchkit.models import build_mlp
 from harness.torchkit.optim import param_groups
@@ -41,7 +42,7 @@ from specs import resume
 from suites.checks import state_dict as checks
 from suites.checks import state_dict_dcp as dcp
 from suites.checks import state_dict_full as full
-from suites.checks.state_dict import assert_same_state
+from suites.checks.state_dict import assert_loaded_like, assert_same_state
 
 # Each example builds, trains and reloads sharded models (and some write checkpoints):
 # about ten times the cost of a placement example.
@@ -61,34 +62,24 @@ def test_sharded_state_dict_loads_into_a_fresh_model(world: World, data: st.Data
         state_dict_cases(world.world_size, steps=(0, 2), reshard=True, largest_dim=True),
         label="case",
     )
-    call, keys = case.call(), _reference_keys(case)
+    parity.attach(case.call())
+    keys = _reference_keys(case)
     facts = dict.fromkeys(checks.SHARDED_FACTS, True)
     for rank, trip in enumerate(world.run(checks.sharded_roundtrip_on_rank, case)):
-        assert_equal_values(trip.keys, keys, what=f"state dict keys on rank {rank}", call=call)
-        assert_equal_values(trip.param_names, keys, what=f"parameters on rank {rank}", call=call)
+        assert_equal_values(trip.keys, keys, what=f"state dict keys on rank {rank}")
+        assert_equal_values(trip.param_names, keys, what=f"parameters on rank {rank}")
         for key, seen in trip.facts.items():
-            assert_equal_values(seen, facts, what=f"{key!r} on rank {rank}", call=call)
-        assert_equal_values(
-            trip.incompatible,
-            ([], []),
-            what=f"(missing, unexpected) keys on rank {rank}",
-            call=call,
-        )
+            assert_equal_values(seen, facts, what=f"{key!r} on rank {rank}")
+        what = f"(missing, unexpected) keys on rank {rank}"
+        assert_equal_values(trip.incompatible, ([], []), what=what)
         for name, saved in trip.saved.items():  # exact: loading copies values
-            assert_array_equal(
-                trip.loaded[name], saved, what=f"{name} loaded on rank {rank}", call=call
-            )
+            assert_array_equal(trip.loaded[name], saved, what=f"{name} loaded on rank {rank}")
         (loss, state), (loaded_loss, loaded_state) = trip.next_steps
         # exact: the same arithmetic on the same values on the same ranks
-        assert_equal_values(
-            loaded_loss, loss, what=f"loss of the next step after loading on rank {rank}", call=call
-        )
-        assert_same_state(
-            loaded_state,
-            state,
-            what=f"the loaded model after the next step on rank {rank}",
-            call=call,
-        )
+        what = f"loss of the next step after loading on rank {rank}"
+        assert_equal_values(loaded_loss, loss, what=what)
+        what = f"the loaded model after the next step on rank {rank}"
+        assert_same_state(loaded_state, state, what=what)
 
 
 @pytest.mark.spec("state_dict.sharded.reshard_after_forward")
@@ -98,19 +89,14 @@ def test_state_dict_is_the_same_before_and_after_a_forward(
     world: World, data: st.DataObject
 ) -> None:
     case = data.draw(state_dict_cases(world.world_size, steps=(0, 2), reshard=True), label="case")
+    parity.attach(case.call())
     for rank, (before, after) in enumerate(world.run(checks.reshard_after_forward_on_rank, case)):
-        assert_equal_values(
-            list(after), list(before), what=f"keys on rank {rank}", call=case.call()
-        )
+        assert_equal_values(list(after), list(before), what=f"keys on rank {rank}")
         for key, (placements, local, value) in before.items():
             what = f"{key} after a forward on rank {rank}"
-            assert_equal_values(
-                after[key][0], placements, what=f"placements of {what}", call=case.call()
-            )
-            assert_array_equal(
-                after[key][1], local, what=f"local piece of {what}", call=case.call()
-            )
-            assert_array_equal(after[key][2], value, what=f"full value of {what}", call=case.call())
+            assert_equal_values(after[key][0], placements, what=f"placements of {what}")
+            assert_array_equal(after[key][1], local, what=f"local piece of {what}")
+            assert_array_equal(after[key][2], value, what=f"full value of {what}")
 
 
 @pytest.mark.spec("state_dict.sharded.cached")
@@ -129,6 +115,7 @@ def test_a_state_dict_taken_once_follows_the_parameters(
         state_dict_cases(world.world_size, layouts=("fsdp",), steps=(1, 5), names=("AdamW",)),
         label="case",
     )
+    parity.attach(case.call())
     for rank, steps in enumerate(world.run(checks.cached_on_rank, case, moved)):
         for step, facts in enumerate(steps):
             expected = dict.fromkeys(facts, not moved)
@@ -136,7 +123,7 @@ def test_a_state_dict_taken_once_follows_the_parameters(
                 f"state dict values sharing storage and value with the parameters after "
                 f"{'moving the model' if moved else f'step {step}'} on rank {rank}"
             )
-            assert_equal_values(facts, expected, what=what, call=case.call())
+            assert_equal_values(facts, expected, what=what)
 
 
 # --- full state dict --------------------------------------------------------------------
@@ -151,13 +138,13 @@ def test_full_tensors_of_the_state_dict_are_the_unsharded_model(
     case = data.draw(state_dict_cases(world.world_size, steps=(0, 0)), label="case")
     model = build_mlp(case.train, torch.device("cpu"))
     reference = {key: to_numpy(value) for key, value in model.state_dict().items()}
-    call = case.call()
+    parity.attach(case.call())
     for rank, (keys, values, kept) in enumerate(world.run(full.gather_on_rank, case)):
-        assert_equal_values(keys, list(reference), what=f"keys on rank {rank}", call=call)
+        assert_equal_values(keys, list(reference), what=f"keys on rank {rank}")
         for key, want in reference.items():  # exact: gathering moves values
-            assert_array_equal(values[key], want, what=f"full {key} on rank {rank}", call=call)
+            assert_array_equal(values[key], want, what=f"full {key} on rank {rank}")
         held = {"cpu"} if rank == 0 else set()
-        assert_equal_values(kept, held, what=f"devices of what rank {rank} keeps", call=call)
+        assert_equal_values(kept, held, what=f"devices of what rank {rank} keeps")
 
 
 @pytest.mark.spec("state_dict.full.get_state_dict")
@@ -167,27 +154,24 @@ def test_get_state_dict_gives_rank0_the_full_state_on_cpu(
     world: World, data: st.DataObject
 ) -> None:
     case = data.draw(state_dict_cases(world.world_size), label="case")
-    call, keys = case.call(), _reference_keys(case)
+    parity.attach(case.call())
+    keys = _reference_keys(case)
     for rank, view in enumerate(world.run(full.full_get_on_rank, case)):
         if rank:
             held = (view.model, view.optim, view.kinds)
-            assert_equal_values(held, ({}, {}, set()), what=f"what rank {rank} holds", call=call)
+            assert_equal_values(held, ({}, {}, set()), what=f"what rank {rank} holds")
             continue
-        assert_equal_values(list(view.model), keys, what="model keys on rank 0", call=call)
-        assert_equal_values(
-            view.kinds, {("Tensor", "cpu")}, what="(type, device) of rank 0's tensors", call=call
-        )
+        assert_equal_values(list(view.model), keys, what="model keys on rank 0")
+        what = "(type, device) of rank 0's tensors"
+        assert_equal_values(view.kinds, {("Tensor", "cpu")}, what=what)
         got = checks.FullState(view.model, view.optim["state"], view.optim["param_groups"])
-        assert_same_state(got, view.expected, what="rank 0's full state dict", call=call)
+        assert_same_state(got, view.expected, what="rank 0's full state dict")
 
 
 def _check_set_full(world: World, case: StateDictCase, how: str) -> None:
+    parity.attach(case.call())
     for rank, states in enumerate(world.run(full.set_full_on_rank, case, how)):
-        original, loaded, original_next, loaded_next = states
-        what = f"the fresh model and optimizer on rank {rank}"
-        assert_same_state(loaded, original, what=what, call=case.call())
-        what += " after the next step"
-        assert_same_state(loaded_next, original_next, what=what, call=case.call())
+        assert_loaded_like(states, what=f"the fresh model and optimizer on rank {rank}")
 
 
 @pytest.mark.spec("state_dict.full.set_state_dict")
@@ -253,23 +237,14 @@ def _group_names(case: StateDictCase) -> list[list[str]]:
 @given(data=st.data())
 def test_optimizer_state_dict_is_keyed_by_name_and_loads(world: World, data: st.DataObject) -> None:
     case = data.draw(state_dict_cases(world.world_size, steps=(1, 3)), label="case")
-    call, keys, groups = case.call(), _reference_keys(case), _group_names(case)
+    parity.attach(case.call())
+    keys, groups = _reference_keys(case), _group_names(case)
     for rank, view in enumerate(world.run(full.optim_fqn_on_rank, case)):
-        assert_equal_values(view.state_keys, keys, what=f"state keys on rank {rank}", call=call)
-        assert_equal_values(
-            view.group_params, groups, what=f"parameter groups on rank {rank}", call=call
-        )
-        assert_equal_values(
-            view.placements_as_params,
-            True,
-            what=f"state tensors placed like their parameters on rank {rank}",
-            call=call,
-        )
-        original, loaded, original_next, loaded_next = view.states
-        what = f"the fresh optimizer on rank {rank}"
-        assert_same_state(loaded, original, what=what, call=call)
-        what += " after the next step"
-        assert_same_state(loaded_next, original_next, what=what, call=call)
+        assert_equal_values(view.state_keys, keys, what=f"state keys on rank {rank}")
+        assert_equal_values(view.group_params, groups, what=f"parameter groups on rank {rank}")
+        what = f"state tensors placed like their parameters on rank {rank}"
+        assert_equal_values(view.placements_as_params, True, what=what)
+        assert_loaded_like(view.states, what=f"the fresh optimizer on rank {rank}")
 
 
 @pytest.mark.spec("state_dict.ddp.canonical_fqns")
@@ -285,17 +260,17 @@ def test_ddp_state_dicts_are_keyed_by_the_unwrapped_names(
     names = [n for n, _ in model.named_parameters()]
     ids = {id(p): n for n, p in model.named_parameters()}
     groups = [[ids[id(p)] for p in g["params"]] for g in param_groups(model, case.optim)]
-    call = f"DDP {case.call()}"
+    parity.attach(f"DDP {case.call()}")
     for rank, view in enumerate(world.run(full.ddp_state_dict_on_rank, case)):
         for what, got, want in (
             ("model state dict keys", view.model_keys, names),
             ("optimizer state keys", view.optim_keys, names),
             ("optimizer groups' parameters", view.group_params, groups),
         ):
-            assert_equal_values(got, want, what=f"{what} on rank {rank}", call=call)
+            assert_equal_values(got, want, what=f"{what} on rank {rank}")
         original, loaded = view.states
         what = f"the fresh DDP model and optimizer set_state_dict loaded, rank {rank}"
-        assert_same_state(loaded, original, what=what, call=call)
+        assert_same_state(loaded, original, what=what)
 
 
 @pytest.mark.spec("state_dict.optim.get_has_no_side_effect")
@@ -310,9 +285,10 @@ def test_taking_the_optimizer_state_dict_leaves_training_alone(
     case = data.draw(
         state_dict_cases(world.world_size, steps=(1, 2), names=("Adam", "AdamW")), label="case"
     )
+    parity.attach(case.call())
     for rank, (plain, taken) in enumerate(world.run(full.side_effect_on_rank, case)):
         what = f"training after taking the state dict before the first step, rank {rank}"
-        assert_same_state(taken, plain, what=what, call=case.call())
+        assert_same_state(taken, plain, what=what)
 
 
 @pytest.mark.spec("state_dict.optim.get_keeps_hyperparameters")
@@ -322,6 +298,7 @@ def test_taking_the_optimizer_state_dict_keeps_every_groups_hyperparameters(
     world: World, data: st.DataObject
 ) -> None:
     case = data.draw(state_dict_cases(world.world_size, steps=(1, 2)), label="case")
+    parity.attach(case.call())
     for rank, snapshots in enumerate(world.run(full.hyperparameters_on_rank, case)):
         before_first, after_first, before_later, after_later = snapshots
         for when, before, after in (
@@ -332,7 +309,6 @@ def test_taking_the_optimizer_state_dict_keeps_every_groups_hyperparameters(
                 after,
                 before,
                 what=f"parameter groups after get_optimizer_state_dict {when}, rank {rank}",
-                call=case.call(),
             )
 
 
@@ -341,6 +317,7 @@ def test_taking_the_optimizer_state_dict_keeps_every_groups_hyperparameters(
 @given(data=st.data())
 def test_hsdp_groups_and_sharded_save_load(world: World, data: st.DataObject) -> None:
     case = data.draw(state_dict_cases(world.world_size, layouts=("hsdp",)), label="case")
+    parity.attach(case.call())
     replicas, shard = case.train.mesh_shape
     for rank, (groups, states) in enumerate(world.run(full.hsdp_on_rank, case)):
         row, column = divmod(rank, shard)
@@ -351,12 +328,8 @@ def test_hsdp_groups_and_sharded_save_load(world: World, data: st.DataObject) ->
         for key, ranks in groups.items():
             axis = key.rsplit(" ", 1)[1]
             what = f"ranks of the {key} group on rank {rank}"
-            assert_equal_values(ranks, expected[axis], what=what, call=case.call())
-        original, loaded, original_next, loaded_next = states
-        what = f"the fresh HSDP model and optimizer on rank {rank}"
-        assert_same_state(loaded, original, what=what, call=case.call())
-        what += " after the next step"
-        assert_same_state(loaded_next, original_next, what=what, call=case.call())
+            assert_equal_values(ranks, expected[axis], what=what)
+        assert_loaded_like(states, what=f"the fresh HSDP model and optimizer on rank {rank}")
 
 
 # --- CPU offload ------------------------------------------------------------------------
@@ -382,16 +355,16 @@ def test_cpu_offload_trains_like_no_offload(world: World, data: st.DataObject) -
 def _check_offload(world: World, case: StateDictCase) -> None:
     rtol, atol = OFFLOAD_TOLERANCE[case.train.dtype] if world.device == "cuda" else (0.0, 0.0)
     why = "CPU and GPU optimizer kernels round differently"
-    call = case.call()
+    parity.attach(case.call())
     for rank, (devices, offloaded, plain, loaded) in enumerate(
         world.run(full.offload_on_rank, case)
     ):
-        assert_equal_values(devices, ["cpu"], what=f"state dict devices on rank {rank}", call=call)
+        assert_equal_values(devices, ["cpu"], what=f"state dict devices on rank {rank}")
         what = f"offloaded training against training on the device, rank {rank}"
-        assert_same_state(offloaded, plain, what=what, call=call, rtol=rtol, atol=atol, why=why)
+        assert_same_state(offloaded, plain, what=what, rtol=rtol, atol=atol, why=why)
         for name, value in offloaded.params.items():  # exact: loading copies values
             what = f"{name} loaded into a fresh offloaded model on rank {rank}"
-            assert_array_equal(loaded[name], value, what=what, call=call)
+            assert_array_equal(loaded[name], value, what=what)
 
 
 @pytest.mark.spec("state_dict.cpu_offload.meta_load")
@@ -403,20 +376,19 @@ def test_offloaded_meta_model_loads_its_parameters_one_by_one(
     case = data.draw(state_dict_cases(world.world_size, layouts=("fsdp",)), label="case")
     case = replace(case, offload=True)
     cpu_state_dict = data.draw(st.booleans(), label="cpu_state_dict")
-    call = f"{case.call()}, pieces on {'CPU' if cpu_state_dict else world.device}"
+    parity.attach(f"{case.call()}, pieces on {'CPU' if cpu_state_dict else world.device}")
     for rank, seen in enumerate(world.run(full.meta_load_on_rank, case, cpu_state_dict)):
         if world.device != "cpu" and not cpu_state_dict:
             message = seen.get("error") or ""
             expected = "Found following parameters on non-CPU device"
-            assert_equal_values(
-                expected in message, True, what=f"error on rank {rank}: {message!r}", call=call
-            )
+            what = f"error on rank {rank}: {message!r}"
+            assert_equal_values(expected in message, True, what=what)
             continue
-        assert_equal_values(seen.get("error"), None, what=f"error on rank {rank}", call=call)
-        assert_equal_values(seen["devices"], ["cpu"], what=f"devices on rank {rank}", call=call)
+        assert_equal_values(seen.get("error"), None, what=f"error on rank {rank}")
+        assert_equal_values(seen["devices"], ["cpu"], what=f"devices on rank {rank}")
         for key, want in seen["expected"].items():  # exact: loading copies values
             what = f"{key} after loading on rank {rank}"
-            assert_array_equal(seen["values"][key], want, what=what, call=call)
+            assert_array_equal(seen["values"][key], want, what=what)
 
 
 @pytest.mark.spec("state_dict.cpu_offload.pin_memory_without_accelerator")
@@ -454,17 +426,17 @@ def test_dcp_checkpoint_loads_at_another_world_size(
     world: World, worlds: Worlds, data: st.DataObject
 ) -> None:
     case = data.draw(reshard_cases(world.world_size, worlds.sizes), label="case")
+    parity.attach(case.call())
     loading = worlds.get(math.prod(case.load.train.mesh_shape))
     with _checkpoints() as root:
         saved = world.run(dcp.dcp_save_on_rank, case.save, root)
         loaded = loading.run(dcp.dcp_load_on_rank, case.load, root)
-    call = case.call()
     for rank, state in enumerate(saved):
         what = f"the state gathered on saving rank {rank}"
-        assert_same_state(state, saved[0], what=what, call=call)
+        assert_same_state(state, saved[0], what=what)
     for rank, state in enumerate(loaded):
         what = f"the state loaded on rank {rank} of {loading.world_size}"
-        assert_same_state(state, saved[0], what=what, call=call)
+        assert_same_state(state, saved[0], what=what)
 
 
 @pytest.mark.spec("state_dict.dcp.missing_key_refused")
@@ -475,6 +447,7 @@ def test_dcp_load_refuses_a_checkpoint_without_a_key(
 ) -> None:
     layouts = ("fsdp", "hsdp")  # a TP plan names the layers it shards
     case = data.draw(reshard_cases(world.world_size, worlds.sizes, layouts=layouts), label="case")
+    parity.attach(case.call())
     # The loading model has one more layer than the saved one: its keys are missing.
     dims = case.load.train.dims
     grown = replace(case.load, train=replace(case.load.train, dims=(*dims, dims[-1])))
@@ -485,10 +458,10 @@ def test_dcp_load_refuses_a_checkpoint_without_a_key(
         errors = loading.run(dcp.dcp_load_error_on_rank, grown, root)
     for rank, error in enumerate(errors):
         if error is None or missing not in error:
-            raise AssertionError(
+            raise failure(
                 f"rank {rank} of {loading.world_size}: got {error!r}, should be an error naming "
                 f"the missing key {missing!r} (a model with {len(dims)} layers loading a "
-                f"checkpoint of {len(dims) - 1}) [{case.call()}]"
+                f"checkpoint of {len(dims) - 1})"
             )
 
 
@@ -499,6 +472,7 @@ def test_resumed_training_ends_where_uninterrupted_training_does(
     world: World, worlds: Worlds, data: st.DataObject
 ) -> None:
     case = data.draw(resume_cases(world.world_size, worlds.sizes), label="case")
+    parity.attach(case.call())
     phases, history = resume.plan(case.start, case.actions)
     with _checkpoints() as root:
         for phase in phases:
@@ -510,4 +484,4 @@ def test_resumed_training_ends_where_uninterrupted_training_does(
     assert state is not None, "segments() gives at least one run"
     for rank, got in enumerate(resumed):
         what = f"the resumed run on rank {rank} (uninterrupted: {len(history)} step(s))"
-        assert_same_state(got, state, what=what, call=case.call())
+        assert_same_state(got, state, what=what)

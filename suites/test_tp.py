@@ -15,14 +15,14 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
-from hypothesis import Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-from harness import World
+from harness import World, parity
 from harness.cases.tp import LossCase, TPCase, TransformerCase
 from harness.parity import assert_close, assert_equal_values
-from harness.profiles import costly
-from harness.strategies.tp import (
+from harness.profiles import costly, hanging, property_settings
+from harness.strategies import (
     loss_cases,
     loss_error_cases,
     tied_cases,
@@ -34,10 +34,8 @@ from specs.chunking import shard_sizes
 from specs.loss_parallel import Layouts, Rejected, layouts
 from specs.tp_collectives import transformer_collectives
 from suites.checks import tp
-from suites.checks import tp as transformer
 
-# World.run enforces its own deadline; hypothesis' per-example deadline would misfire.
-PROPERTY = settings(deadline=None)
+PROPERTY = property_settings()
 # A Transformer example builds, trains and gathers a TP model twice over (one device in
 # float64 and float32, the ranks): about 0.3 s at world size 1 to 1.2 s at 4, a quarter of
 # the profile's examples.
@@ -58,18 +56,11 @@ TOLERANCE = {"float64": (1e-10, 1e-12), "float32": (1e-4, 1e-6)}  # (rtol, atol)
 WHY = "row-parallel matmuls sum partial products over ranks in another order"
 
 
-def _close(got: np.ndarray, want: np.ndarray, dtype: str, what: str, call: str) -> None:
+def _assert_close(got: np.ndarray, want: np.ndarray, dtype: str, what: str) -> None:
+    __tracebackhide__ = True
     rtol, atol = TOLERANCE[dtype]
     assert_close(
-        got,
-        want,
-        rtol=rtol,
-        atol=atol,
-        dtype=dtype,
-        what=what,
-        why=WHY,
-        call=call,
-        record_as=f"tp/{dtype}",
+        got, want, rtol=rtol, atol=atol, dtype=dtype, what=what, why=WHY, record_as=f"tp/{dtype}"
     )
 
 
@@ -78,28 +69,31 @@ def _gathered(case: TPCase, per_rank: list[np.ndarray], rank: int) -> np.ndarray
     return np.concatenate(per_rank) if case.sequence_parallel else per_rank[rank]
 
 
-def _check_training(world: World, case: TPCase) -> None:
+def _check_training(world: World, data: st.DataObject, hidden: str) -> None:
+    """A drawn TP MLP with a hidden size of ``hidden`` kind trains like one device."""
+    case = data.draw(tp_cases(world.world_size, hidden=hidden), label="case")
+    parity.attach(case.call())
     reference = tp.tp_reference(case)
     traces = world.run(tp.tp_train_on_rank, case)
-    call, dtype = case.call(), case.training.dtype
+    dtype = case.training.dtype
     for rank, trace in enumerate(traces):
         for step, want in enumerate(reference.outputs):
             got = _gathered(case, [t.outputs[step] for t in traces], rank)
-            _close(got, want, dtype, f"output of step {step} on rank {rank}", call)
+            _assert_close(got, want, dtype, f"output of step {step} on rank {rank}")
         for kind, got_map, want_map in (
             ("gradient after the first backward", trace.grads, reference.grads),
             (f"parameter after {case.training.steps} step(s)", trace.params, reference.params),
         ):
             assert_equal_values(sorted(got_map), sorted(want_map), what=f"{kind} names")
             for name, want in want_map.items():
-                _close(got_map[name], want, dtype, f"{name} {kind} on rank {rank}", call)
+                _assert_close(got_map[name], want, dtype, f"{name} {kind} on rank {rank}")
 
 
 @pytest.mark.spec("tp.mlp.training")
 @PROPERTY
 @given(data=st.data())
 def test_tp_mlp_trains_like_one_device(world: World, data: st.DataObject) -> None:
-    _check_training(world, data.draw(tp_cases(world.world_size), label="case"))
+    _check_training(world, data, "even")
 
 
 @pytest.mark.spec("tp.mlp.uneven_hidden")
@@ -109,7 +103,7 @@ def test_tp_mlp_trains_like_one_device(world: World, data: st.DataObject) -> Non
 def test_tp_mlp_with_uneven_hidden_trains_like_one_device(
     world: World, data: st.DataObject
 ) -> None:
-    _check_training(world, data.draw(tp_cases(world.world_size, hidden="uneven"), label="case"))
+    _check_training(world, data, "uneven")
 
 
 @pytest.mark.spec("tp.mlp.hidden_one")
@@ -119,7 +113,7 @@ def test_tp_mlp_with_uneven_hidden_trains_like_one_device(
 def test_tp_mlp_with_hidden_size_one_trains_like_one_device(
     world: World, data: st.DataObject
 ) -> None:
-    _check_training(world, data.draw(tp_cases(world.world_size, hidden="one"), label="case"))
+    _check_training(world, data, "one")
 
 
 @pytest.mark.spec("tp.mlp.inference")
@@ -127,11 +121,12 @@ def test_tp_mlp_with_hidden_size_one_trains_like_one_device(
 @given(data=st.data())
 def test_tp_mlp_inference_matches_one_device(world: World, data: st.DataObject) -> None:
     case = data.draw(tp_cases(world.world_size), label="case")
+    parity.attach(case.call())
     want = tp.reference_output(case)
     outputs = world.run(tp.tp_inference_on_rank, case)
     for rank in range(world.world_size):
         got = _gathered(case, outputs, rank)
-        _close(got, want, case.training.dtype, f"output on rank {rank}", case.call())
+        _assert_close(got, want, case.training.dtype, f"output on rank {rank}")
 
 
 def expected_mlp_collectives(case: TPCase) -> dict[CountKey, int]:
@@ -152,12 +147,12 @@ def expected_mlp_collectives(case: TPCase) -> dict[CountKey, int]:
 @given(data=st.data())
 def test_tp_mlp_issues_the_expected_collectives(world: World, data: st.DataObject) -> None:
     case = data.draw(tp_cases(world.world_size), label="case")
+    parity.attach(case.call())
     for rank, trace in enumerate(world.run(tp.tp_train_on_rank, case)):
         assert_equal_values(
             dict(sorted(trace.counts.items())),
             expected_mlp_collectives(case),
             what=f"collectives of the first forward and backward on rank {rank}",
-            call=case.call(),
         )
 
 
@@ -168,6 +163,7 @@ def test_tied_weights_stay_one_parameter_with_one_gradient(
     world: World, data: st.DataObject
 ) -> None:
     case = data.draw(tied_cases(world.world_size), label="case")
+    parity.attach(case.call())
     output, grad = tp.tied_reference(case)
     for rank, result in enumerate(world.run(tp.tied_on_rank, case)):
         flags = (
@@ -181,10 +177,9 @@ def test_tied_weights_stay_one_parameter_with_one_gradient(
             (True, True, True, True),
             what=f"(untied local weights differ, untied local grads differ, fc.weight is "
             f"embedding.weight, one gradient object) on rank {rank}",
-            call=case.call(),
         )
-        _close(result.output, output, case.dtype, f"tied output on rank {rank}", case.call())
-        _close(result.grad, grad, case.dtype, f"tied weight's gradient on rank {rank}", case.call())
+        _assert_close(result.output, output, case.dtype, f"tied output on rank {rank}")
+        _assert_close(result.grad, grad, case.dtype, f"tied weight's gradient on rank {rank}")
 
 
 # float64: against one device in float64; measured within 3e-13 of gradients up to ~3
@@ -214,11 +209,12 @@ def _float32_atol(exact: Sequence[np.ndarray], own: Sequence[np.ndarray]) -> flo
     return FLOAT32_SLACK * float(max(errors, default=0.0)) + FLOAT32_FLOOR
 
 
-def _transformer_close(
+def _assert_transformer_close(
     got: np.ndarray, exact: np.ndarray, case: TransformerCase, what: str, atol32: float | None
 ) -> None:
     """``got`` against the float64 reference; ``atol32``: the float32 allowance (None for
     float64 cases)."""
+    __tracebackhide__ = True
     rtol, atol = TRANSFORMER_TOLERANCE
     why = TRANSFORMER_WHY
     if atol32 is not None:
@@ -231,13 +227,12 @@ def _transformer_close(
         dtype=case.dtype,
         what=what,
         why=why,
-        call=case.call(),
         record_as=f"tp_transformer/{case.dtype}",
     )
 
 
 def _float32_allowances(
-    exact: transformer.TransformerTrace, own: transformer.TransformerTrace, case: TransformerCase
+    exact: tp.TransformerTrace, own: tp.TransformerTrace, case: TransformerCase
 ) -> tuple[float, float, float]:
     """(outputs, gradients, parameters) float32 allowances."""
     grads = _float32_atol(list(exact.grads.values()), [own.grads[n] for n in exact.grads])
@@ -247,9 +242,9 @@ def _float32_allowances(
 
 
 def _check_values(
-    trace: transformer.TransformerTrace,
-    exact: transformer.TransformerTrace,
-    own: transformer.TransformerTrace | None,
+    trace: tp.TransformerTrace,
+    exact: tp.TransformerTrace,
+    own: tp.TransformerTrace | None,
     case: TransformerCase,
     rank: int,
 ) -> None:
@@ -257,7 +252,7 @@ def _check_values(
     assert_equal_values(len(trace.outputs), len(exact.outputs), what="steps")
     for step, want in enumerate(exact.outputs):
         what = f"output of step {step} on rank {rank}"
-        _transformer_close(trace.outputs[step], want, case, what, allowances[0])
+        _assert_transformer_close(trace.outputs[step], want, case, what, allowances[0])
     for kind, got_map, want_map, atol32 in (
         ("gradient after the first backward", trace.grads, exact.grads, allowances[1]),
         (f"parameter after {case.steps} step(s)", trace.params, exact.params, allowances[2]),
@@ -265,12 +260,13 @@ def _check_values(
         assert_equal_values(sorted(got_map), sorted(want_map), what=f"{kind} names")
         for name, want in want_map.items():
             what = f"{name} {kind} on rank {rank}"
-            _transformer_close(got_map[name], want, case, what, atol32)
+            _assert_transformer_close(got_map[name], want, case, what, atol32)
 
 
 def _check_transformer(world: World, case: TransformerCase) -> None:
-    exact = transformer.transformer_reference(dataclasses.replace(case, dtype="float64"))
-    own = transformer.transformer_reference(case) if case.dtype == "float32" else None
+    parity.attach(case.call())
+    exact = tp.transformer_reference(dataclasses.replace(case, dtype="float64"))
+    own = tp.transformer_reference(case) if case.dtype == "float32" else None
     expected = transformer_collectives(
         tp=case.tp,
         sequence_parallel=case.sequence_parallel,
@@ -278,7 +274,7 @@ def _check_transformer(world: World, case: TransformerCase) -> None:
         trainable=case.requires_grad,
     )
     group = tuple(range(case.tp))
-    for rank, trace in enumerate(world.run(transformer.transformer_on_rank, case)):
+    for rank, trace in enumerate(world.run(tp.transformer_on_rank, case)):
         _check_values(trace, exact, own, case, rank)
         for phase, got_counts, want_counts in zip(
             ("forward", "backward", "optimizer step"), trace.counts, expected, strict=True
@@ -287,7 +283,6 @@ def _check_transformer(world: World, case: TransformerCase) -> None:
                 dict(sorted(got_counts.items())),
                 {(op, group): n for op, n in sorted(want_counts.items())},
                 what=f"collectives of the first {phase} on rank {rank}",
-                call=case.call(),
             )
 
 
@@ -315,19 +310,18 @@ LOSS_WHY = "the max and sum of exponentials are reduced over class shards in ano
 
 
 def _check_loss(world: World, case: LossCase, *, timeout: float | None = None) -> None:
+    parity.attach(case.call())
     expected = layouts(case.spec_placements(), case.reduction, target_is_dtensor=True)
     assert isinstance(expected, Layouts), f"the strategy drew a rejected layout: {expected}"
     loss, grad = tp.loss_reference(case)
     rtol, atol = LOSS_TOLERANCE[case.dtype]
-    call = case.call()
     tp_group = _tp_group(case)
     for rank, result in enumerate(world.run(tp.loss_on_rank, case, timeout=timeout)):
-        assert_equal_values(result.error, None, what=f"exception on rank {rank}", call=call)
+        assert_equal_values(result.error, None, what=f"exception on rank {rank}")
         assert_equal_values(
             (result.loss_placements, result.grad_placements),
             (expected.loss, expected.grad),
             what=f"(loss, input gradient) placements on rank {rank}",
-            call=call,
         )
         assert result.loss is not None
         assert result.grad is not None
@@ -340,7 +334,6 @@ def _check_loss(world: World, case: LossCase, *, timeout: float | None = None) -
                 dtype=case.dtype,
                 what=f"{what} on rank {rank}",
                 why=LOSS_WHY,
-                call=call,
                 record_as=f"loss_parallel/{case.dtype}",
             )
         # The max of the log-softmax needs no all-reduce where this rank's input piece is
@@ -350,7 +343,6 @@ def _check_loss(world: World, case: LossCase, *, timeout: float | None = None) -
             (result.forward, result.backward),
             ({("all_reduce", tp_group[rank]): reductions}, {}),
             what=f"collectives of (forward, backward) on rank {rank}",
-            call=call,
         )
 
 
@@ -403,6 +395,7 @@ def test_loss_parallel_on_a_2d_mesh_matches_cross_entropy(
 @given(data=st.data())
 def test_loss_parallel_rejects_other_layouts(world: World, data: st.DataObject) -> None:
     rule, case = data.draw(loss_error_cases(world.world_size), label="case")
+    parity.attach(case.call())
     expected = layouts(
         case.spec_placements(), case.reduction, target_is_dtensor=not case.target_plain
     )
@@ -414,13 +407,11 @@ def test_loss_parallel_rejects_other_layouts(world: World, data: st.DataObject) 
             result.error or ("no exception", ""),
             want,
             what=f"exception on rank {rank} ({rule})",
-            call=case.call(),
         )
 
 
-# Each failing example hangs the ranks that hold classes in a collective until the
-# deadline: draw a few, never shrink (a hang per shrink step).
-HANGS = settings(deadline=None, max_examples=3, phases=(Phase.explicit, Phase.generate))
+# Each failing example hangs the ranks that hold classes in a collective until the deadline.
+HANGS = hanging()
 
 
 @pytest.mark.spec("tp.loss_parallel.empty_class_shard")

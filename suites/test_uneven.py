@@ -9,14 +9,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from harness import World
+from harness import RankContext, World, parity
 from harness.cases.training import MLPCase
 from harness.parity import assert_array_equal, assert_close, assert_equal_values
+from harness.profiles import property_settings
 from harness.strategies import (
     distribute_cases,
     extremum_empty_shard_cases,
@@ -24,7 +25,6 @@ from harness.strategies import (
     uneven_redistribute_cases,
     uneven_shard_cases,
 )
-from harness.torchkit.context import RankContext
 from harness.torchkit.dtensor import DTensorView, tensor_from, to_numpy, view_of
 from harness.torchkit.models import build_mlp, global_batch
 from specs.placements import Partial, Shard, local_arrays, local_boxes
@@ -37,9 +37,7 @@ from suites.checks.dtensor import (
     redistribute_on_rank,
 )
 
-# World.run enforces its own deadline; hypothesis' per-example deadline would misfire on
-# the first example of a World (process-group and mesh creation).
-PROPERTY = settings(deadline=None)
+PROPERTY = property_settings()
 
 # Sharded training sums the per-rank gradients of per-rank mean losses and divides by the
 # world size; the reference takes one mean over the global batch. Same terms, different
@@ -54,17 +52,8 @@ REASON = "per-rank mean losses are averaged in another order than the global mea
 @given(data=st.data())
 def test_shard_gives_torch_chunk_pieces(world: World, data: st.DataObject) -> None:
     case = data.draw(uneven_shard_cases(world.world_size), label="case")
-    global_array = case.global_array()
-    views = world.run(distribute_on_rank, case)
-    assert_layout(
-        views,
-        mesh_shape=case.mesh_shape,
-        placements=case.placements,
-        global_array=global_array,
-        dtype=case.dtype,
-        call=case.call(),
-        partial_values_known=True,
-    )
+    parity.attach(case.call())
+    assert_layout(world.run(distribute_on_rank, case), case, partial_values_known=True)
 
 
 @pytest.mark.spec("uneven.shard.global_offset")
@@ -72,21 +61,20 @@ def test_shard_gives_torch_chunk_pieces(world: World, data: st.DataObject) -> No
 @given(data=st.data())
 def test_shards_know_where_they_sit_in_the_global_tensor(world: World, data: st.DataObject) -> None:
     case = data.draw(distribute_cases(world.world_size), label="case")
+    parity.attach(case.call())
     global_array = case.global_array()
     boxes = local_boxes(case.shape, case.mesh_shape, case.placements)
     per_rank = world.run(box_on_rank, case)
     for (shape, offset), view in per_rank:
-        what, call = f"rank {view.rank} (mesh coord {view.coord})", case.call()
+        what = f"rank {view.rank} (mesh coord {view.coord})"
         expected_shape, expected_offset = boxes[view.coord]
-        assert_equal_values(shape, expected_shape, what=f"local shape of {what}", call=call)
+        assert_equal_values(shape, expected_shape, what=f"local shape of {what}")
         if 0 in shape:
             continue  # an empty shard sits nowhere: its offset means nothing
-        assert_equal_values(offset, expected_offset, what=f"global offset of {what}", call=call)
+        assert_equal_values(offset, expected_offset, what=f"global offset of {what}")
         window = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
         if not any(isinstance(p, Partial) for p in case.placements):
-            assert_array_equal(
-                view.local, global_array[window], what=f"global slice at {what}", call=call
-            )
+            assert_array_equal(view.local, global_array[window], what=f"global slice at {what}")
 
 
 @pytest.mark.spec("uneven.ops.extremum_empty_shard")
@@ -95,12 +83,12 @@ def test_shards_know_where_they_sit_in_the_global_tensor(world: World, data: st.
 @given(data=st.data())
 def test_max_min_reductions_over_empty_shards(world: World, data: st.DataObject) -> None:
     case = data.draw(extremum_empty_shard_cases(world.world_size), label="case")
+    parity.attach(case.call())
     (expected,) = op_on_one_device(case, world.device)
     for (view,) in world.run(op_on_rank, case):
         assert view.full is not None
-        assert_array_equal(  # max and min pick an element: exact
-            view.full, expected, what=f"{case.op} on rank {view.rank}", call=case.call()
-        )
+        # max and min pick an element: exact
+        assert_array_equal(view.full, expected, what=f"{case.op} on rank {view.rank}")
 
 
 @pytest.mark.spec("uneven.redistribute.no_padding")
@@ -108,17 +96,8 @@ def test_max_min_reductions_over_empty_shards(world: World, data: st.DataObject)
 @given(data=st.data())
 def test_redistribute_uneven_shards_leaks_no_padding(world: World, data: st.DataObject) -> None:
     case = data.draw(uneven_redistribute_cases(world.world_size), label="case")
-    global_array = case.global_array()
-    views = world.run(redistribute_on_rank, case)
-    assert_layout(
-        views,
-        mesh_shape=case.mesh_shape,
-        placements=case.dst,
-        global_array=global_array,
-        dtype=case.dtype,
-        call=case.call(),
-        partial_values_known=True,
-    )
+    parity.attach(case.call())
+    assert_layout(world.run(redistribute_on_rank, case), case, partial_values_known=True)
 
 
 # --- fully_shard on uneven MLPs ------------------------------------------------------------
@@ -182,13 +161,31 @@ def reference_step(case: MLPCase, world_size: int, device: str) -> dict[str, dic
     return {"params": before, "grads": grads, "after": after}
 
 
-def _assert_sharded_like(
-    view: DTensorView, full: np.ndarray, world_size: int, what: str, call: str
-) -> None:
+def _assert_sharded_like(view: DTensorView, full: np.ndarray, world_size: int, what: str) -> None:
+    __tracebackhide__ = True
     piece = local_arrays(full, (world_size,), (Shard(0),))[(view.rank,)]
-    assert_equal_values(view.placements, (Shard(0),), what=f"placements of {what}", call=call)
-    assert_equal_values(view.shape, full.shape, what=f"global shape of {what}", call=call)
-    assert_equal_values(view.local.shape, piece.shape, what=f"local shape of {what}", call=call)
+    assert_equal_values(view.placements, (Shard(0),), what=f"placements of {what}")
+    assert_equal_values(view.shape, full.shape, what=f"global shape of {what}")
+    assert_equal_values(view.local.shape, piece.shape, what=f"local shape of {what}")
+
+
+def _assert_like_one_device(
+    view: DTensorView, expected: np.ndarray, case: MLPCase, what: str, kind: str
+) -> None:
+    """The full value within ``TOLERANCE`` of one device's, kept as ``kind``/dtype."""
+    __tracebackhide__ = True
+    rtol, atol = TOLERANCE[case.dtype]
+    assert view.full is not None
+    assert_close(
+        view.full,
+        expected,
+        rtol=rtol,
+        atol=atol,
+        dtype=case.dtype,
+        what=what,
+        why=REASON,
+        record_as=f"{kind}/{case.dtype}",
+    )
 
 
 @pytest.mark.spec("uneven.fully_shard.params")
@@ -196,6 +193,7 @@ def _assert_sharded_like(
 @given(data=st.data())
 def test_fully_shard_params_are_torch_chunk_pieces(world: World, data: st.DataObject) -> None:
     case = data.draw(mlp_cases(world.world_size), label="case")
+    parity.attach(case.call())
     reference = reference_step(case, world.world_size, world.device)["params"]
     per_rank = world.run(train_on_rank, case, "params")
     for rank, views in enumerate(per_rank):
@@ -204,13 +202,11 @@ def test_fully_shard_params_are_torch_chunk_pieces(world: World, data: st.DataOb
         )
         for name, view in views.items():
             what = f"{name} on rank {rank}"
-            _assert_sharded_like(view, reference[name], world.world_size, what, case.call())
+            _assert_sharded_like(view, reference[name], world.world_size, what)
             strides = tuple(torch.empty(reference[name].shape).stride())
-            assert_equal_values(
-                view.stride, strides, what=f"global stride of {what}", call=case.call()
-            )
+            assert_equal_values(view.stride, strides, what=f"global stride of {what}")
             piece = local_arrays(reference[name], (world.world_size,), (Shard(0),))[(rank,)]
-            assert_array_equal(view.local, piece, what=f"local shard of {what}", call=case.call())
+            assert_array_equal(view.local, piece, what=f"local shard of {what}")
 
 
 @pytest.mark.spec("uneven.fully_shard.grads")
@@ -218,25 +214,14 @@ def test_fully_shard_params_are_torch_chunk_pieces(world: World, data: st.DataOb
 @given(data=st.data())
 def test_fully_shard_grads_match_one_device(world: World, data: st.DataObject) -> None:
     case = data.draw(mlp_cases(world.world_size), label="case")
+    parity.attach(case.call())
     reference = reference_step(case, world.world_size, world.device)["grads"]
-    rtol, atol = TOLERANCE[case.dtype]
     per_rank = world.run(train_on_rank, case, "grads")
     for rank, views in enumerate(per_rank):
         for name, view in views.items():
             what = f"grad of {name} on rank {rank}"
-            _assert_sharded_like(view, reference[name], world.world_size, what, case.call())
-            assert view.full is not None
-            assert_close(
-                view.full,
-                reference[name],
-                rtol=rtol,
-                atol=atol,
-                dtype=case.dtype,
-                what=what,
-                why=REASON,
-                call=case.call(),
-                record_as=f"grad/{case.dtype}",
-            )
+            _assert_sharded_like(view, reference[name], world.world_size, what)
+            _assert_like_one_device(view, reference[name], case, what, "grad")
 
 
 @pytest.mark.spec("uneven.fully_shard.step_parity")
@@ -244,28 +229,16 @@ def test_fully_shard_grads_match_one_device(world: World, data: st.DataObject) -
 @given(data=st.data())
 def test_fully_shard_sgd_step_matches_one_device(world: World, data: st.DataObject) -> None:
     case = data.draw(mlp_cases(world.world_size), label="case")
+    parity.attach(case.call())
     reference = reference_step(case, world.world_size, world.device)["after"]
-    rtol, atol = TOLERANCE[case.dtype]
     per_rank = world.run(train_on_rank, case, "step")
     for rank, results in enumerate(per_rank):
         for name, (view, momentum_shape) in results.items():
             what = f"{name} after one step on rank {rank}"
-            assert view.full is not None
-            assert_close(
-                view.full,
-                reference[name],
-                rtol=rtol,
-                atol=atol,
-                dtype=case.dtype,
-                what=what,
-                why=REASON,
-                call=case.call(),
-                record_as=f"param/{case.dtype}",
-            )
+            _assert_like_one_device(view, reference[name], case, what, "param")
             expected_state = tuple(view.local.shape) if case.momentum else None
             assert_equal_values(
                 momentum_shape,
                 expected_state,
                 what=f"momentum buffer shape of {name} on rank {rank}",
-                call=case.call(),
             )

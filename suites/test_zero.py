@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-from harness import World
-from harness.cases.training import OptimConfig, ParityCase
-from harness.parity import assert_close, assert_equal_values
-from harness.strategies.training import (
+from harness import World, parity
+from harness.cases.training import OptimConfig, ParityCase, PartitionCase
+from harness.parity import assert_close, assert_equal_values, failure
+from harness.profiles import property_settings
+from harness.strategies import (
     join_cases,
     optim_configs,
     overlap_cases,
@@ -25,8 +26,7 @@ from specs.zero import partition
 from suites.checks import zero as checks
 from suites.checks import zero_training as training
 
-# World.run enforces its own deadline; hypothesis' per-example deadline would misfire.
-PROPERTY = settings(deadline=None)
+PROPERTY = property_settings()
 
 # ZeRO's local optimizer steps a subset of the parameters with the same element-wise
 # arithmetic as the reference; only foreach/fused kernels may put an element in another
@@ -35,19 +35,16 @@ RTOL, ATOL = 1e-12, 1e-14
 WHY = "vectorised optimizer kernels may round an element differently by an ulp"
 
 
-def _assert_params(got: list[np.ndarray], want: list[np.ndarray], what: str, call: str) -> None:
-    assert_equal_values(len(got), len(want), what=f"number of parameters of {what}", call=call)
+def _assert_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    __tracebackhide__ = True
+    assert_close(got, want, rtol=RTOL, atol=ATOL, dtype="float64", what=what, why=WHY)
+
+
+def _assert_params(got: list[np.ndarray], want: list[np.ndarray], what: str) -> None:
+    __tracebackhide__ = True
+    assert_equal_values(len(got), len(want), what=f"number of parameters of {what}")
     for index, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert_close(
-            g,
-            w,
-            rtol=RTOL,
-            atol=ATOL,
-            dtype="float64",
-            what=f"parameter {index} of {what}",
-            why=WHY,
-            call=call,
-        )
+        _assert_close(g, w, f"parameter {index} of {what}")
 
 
 @pytest.mark.spec("zero.state_dict.roundtrip")
@@ -55,44 +52,30 @@ def _assert_params(got: list[np.ndarray], want: list[np.ndarray], what: str, cal
 @given(data=st.data())
 def test_state_dict_consolidates_reloads_and_trains_on(world: World, data: st.DataObject) -> None:
     case = data.draw(params_cases(world.world_size, momentum=True), label="case")
+    parity.attach(case.call())
     state, final = checks.reference_state(case)
     views = world.run(checks.zero_state_dict_on_rank, case)
-    call = case.call()
     for rank, view in enumerate(views):
         if rank != case.recipient:
             message = view.error or ""
             if "has not been consolidated" not in message:
-                raise AssertionError(
+                raise failure(
                     f"state_dict() on rank {rank}: got {message!r}, should raise RuntimeError "
-                    f"'... has not been consolidated ...' [{call}]"
+                    f"'... has not been consolidated ...'"
                 )
-        assert_equal_values(
-            view.lr_after_load, case.optim.lr, what=f"lr after load on rank {rank}", call=call
-        )
-        _assert_params(view.params, final, f"rank {rank} after reloading and training on", call)
+        assert_equal_values(view.lr_after_load, case.optim.lr, what=f"lr after load on rank {rank}")
+        _assert_params(view.params, final, f"rank {rank} after reloading and training on")
     held = views[case.recipient]
     assert held.groups is not None, "the recipient returns its state dict"
     assert held.state is not None, "the recipient returns its state dict"
     expected = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
     got = {k: v for k, v in held.groups[0].items() if k != "params" and k in expected}
-    assert_equal_values(got, expected, what="hyper-parameters in the state dict", call=call)
-    assert_equal_values(
-        held.groups_in_sync, True, what="state dict in sync with param_groups", call=call
-    )
-    assert_equal_values(
-        sorted(held.state), sorted(state["state"]), what="parameters with state", call=call
-    )
+    assert_equal_values(got, expected, what="hyper-parameters in the state dict")
+    assert_equal_values(held.groups_in_sync, True, what="state dict in sync with param_groups")
+    assert_equal_values(sorted(held.state), sorted(state["state"]), what="parameters with state")
     for index, entry in state["state"].items():
-        assert_close(
-            held.state[index]["momentum_buffer"],
-            entry["momentum_buffer"],
-            rtol=RTOL,
-            atol=ATOL,
-            dtype="float64",
-            what=f"momentum buffer of parameter {index}",
-            why=WHY,
-            call=call,
-        )
+        buffer, expected_buffer = held.state[index]["momentum_buffer"], entry["momentum_buffer"]
+        _assert_close(buffer, expected_buffer, f"momentum buffer of parameter {index}")
 
 
 @pytest.mark.spec("zero.load_state_dict.keeps_argument")
@@ -101,13 +84,14 @@ def test_state_dict_consolidates_reloads_and_trains_on(world: World, data: st.Da
 @given(data=st.data())
 def test_load_state_dict_leaves_its_argument_alone(world: World, data: st.DataObject) -> None:
     case = data.draw(params_cases(world.world_size, momentum=True), label="case")
+    parity.attach(case.call())
     for rank, (before, after) in enumerate(world.run(checks.load_keeps_argument_on_rank, case)):
         for index, entry in before["state"].items():
             got = after["state"][index]
             if got is None or sorted(got) != sorted(entry):
-                raise AssertionError(
+                raise failure(
                     f"state of parameter {index} on rank {rank} after load_state_dict: got "
-                    f"{got!r}, should be the loaded entry with keys {sorted(entry)} [{case.call()}]"
+                    f"{got!r}, should be the loaded entry with keys {sorted(entry)}"
                 )
 
 
@@ -120,6 +104,7 @@ def test_step_passes_through_unusual_optimizers(
 ) -> None:
     case = data.draw(params_cases(world.world_size), label="case")
     case = type(case)(**{**case.__dict__, "optim": data.draw(_plain_sgd(), label="optim")})
+    parity.attach(case.call())
     final = checks.reference_steps(case)
     results = world.run(checks.zero_step_variant_on_rank, case, variant)
     for rank, result in enumerate(results):
@@ -131,7 +116,7 @@ def test_step_passes_through_unusual_optimizers(
             assert_equal_values(
                 result["new_key"], 0.1, what=f"param_groups[0]['new_key'] on rank {rank}"
             )
-        _assert_params(result["params"], final, f"rank {rank}", case.call())
+        _assert_params(result["params"], final, f"rank {rank}")
 
 
 def _plain_sgd() -> st.SearchStrategy[OptimConfig]:
@@ -147,21 +132,14 @@ def test_step_with_closure_returns_its_loss(
     world: World, data: st.DataObject, bucket_view: bool
 ) -> None:
     case = data.draw(params_cases(world.world_size), label="case")
+    parity.attach(case.call())
     losses, final = checks.reference_closure(case)
     for rank, (got_losses, params) in enumerate(
         world.run(checks.zero_closure_on_rank, case, bucket_view)
     ):
-        assert_close(
-            np.array(got_losses),
-            np.array(losses),
-            rtol=RTOL,
-            atol=ATOL,
-            dtype="float64",
-            what=f"losses returned by step(closure) on rank {rank}",
-            why=WHY,
-            call=case.call(),
-        )
-        _assert_params(params, final, f"rank {rank}", case.call())
+        what = f"losses returned by step(closure) on rank {rank}"
+        _assert_close(np.array(got_losses), np.array(losses), what)
+        _assert_params(params, final, f"rank {rank}")
 
 
 @pytest.mark.spec("zero.zero_grad.to_none")
@@ -169,11 +147,10 @@ def test_step_with_closure_returns_its_loss(
 @given(data=st.data())
 def test_zero_grad_sets_every_gradient_to_none(world: World, data: st.DataObject) -> None:
     case = data.draw(params_cases(world.world_size), label="case")
+    parity.attach(case.call())
     expected = [(True, False)] * len(case.shapes)
     for rank, seen in enumerate(world.run(checks.zero_grad_on_rank, case)):
-        assert_equal_values(
-            seen, expected, what=f"(grad before, grad after) on rank {rank}", call=case.call()
-        )
+        assert_equal_values(seen, expected, what=f"(grad before, grad after) on rank {rank}")
 
 
 CONSTRUCTOR_OUTCOMES = {
@@ -206,9 +183,8 @@ def test_constructor_accepts_and_rejects_the_right_inputs(
 @PROPERTY
 @given(case=partition_cases())
 def test_partition_is_sorted_greedy(world: World, case: object) -> None:
-    from harness.cases.training import PartitionCase
-
     assert isinstance(case, PartitionCase)
+    parity.attach(repr(case))
     expected = [
         [sorted(group) for group in owned]
         for owned in partition(case.all_groups(), world.world_size)
@@ -219,13 +195,11 @@ def test_partition_is_sorted_greedy(world: World, case: object) -> None:
             result["owned"],
             expected[rank],
             what=f"parameters owned by rank {rank}",
-            call=repr(case),
         )
         assert_equal_values(
             (result["groups"], result["local_groups"]),
             (groups, groups),
             what=f"(ZeRO groups, local optimizer groups) on rank {rank}",
-            call=repr(case),
         )
 
 
@@ -236,14 +210,11 @@ def test_groups_up_front_added_later_and_local_agree(world: World, data: st.Data
     case = _with_two_groups(
         data.draw(parity_cases(world.world_size, layout="zero"), label="case"), data
     )
+    parity.attach(case.call())
     for rank, history in enumerate(world.run(training.groups_three_ways_on_rank, case)):
         for step, (upfront, added, local) in enumerate(history):
-            _assert_params(
-                added, upfront, f"ZeRO with an added group, step {step}, rank {rank}", case.call()
-            )
-            _assert_params(
-                local, upfront, f"the local optimizer, step {step}, rank {rank}", case.call()
-            )
+            _assert_params(added, upfront, f"ZeRO with an added group, step {step}, rank {rank}")
+            _assert_params(local, upfront, f"the local optimizer, step {step}, rank {rank}")
 
 
 def _with_two_groups(case: ParityCase, data: st.DataObject) -> ParityCase:
@@ -267,13 +238,14 @@ def _with_two_groups(case: ParityCase, data: st.DataObject) -> ParityCase:
 def test_zero_on_a_subgroup_trains_its_members(world: World, data: st.DataObject) -> None:
     case = data.draw(parity_cases(world.world_size, layout="zero"), label="case")
     case = ParityCase(**{**case.__dict__, "dtype": "float64"})
+    parity.attach(case.call())
     expected = training.local_reference(case)
     for rank, params in enumerate(world.run(training.subgroup_on_rank, case)):
         if rank % 2:
             assert_equal_values(params, None, what=f"result of rank {rank}, outside the group")
         else:
             assert params is not None
-            _assert_params(params, expected, f"subgroup member rank {rank}", case.call())
+            _assert_params(params, expected, f"subgroup member rank {rank}")
 
 
 @pytest.mark.spec("zero.ddp.local_optimizer_parity")
@@ -284,20 +256,13 @@ def test_ddp_zero_matches_ddp_local_optimizer(world: World, data: st.DataObject)
     # At least two layers: the first weight's requires_grad toggles, something must train.
     dims = case.dims if len(case.dims) > 2 else (*case.dims, data.draw(st.integers(1, 5)))
     case = ParityCase(**{**case.__dict__, "dims": dims, "dtype": "float64"})
+    parity.attach(case.call())
     for rank, steps in enumerate(world.run(training.ddp_cross_load_on_rank, case)):
         for index, step in enumerate(steps):
             what = f"step {index} on rank {rank}"
-            assert_close(
-                np.array(step["losses"][0]),
-                np.array(step["losses"][1]),
-                rtol=RTOL,
-                atol=ATOL,
-                dtype="float64",
-                what=f"ZeRO loss at {what}",
-                why=WHY,
-                call=case.call(),
-            )
-            _assert_params(step["sharded"], step["local"], f"DDP+ZeRO at {what}", case.call())
+            zero_loss, local_loss = np.array(step["losses"][0]), np.array(step["losses"][1])
+            _assert_close(zero_loss, local_loss, f"ZeRO loss at {what}")
+            _assert_params(step["sharded"], step["local"], f"DDP+ZeRO at {what}")
 
 
 @pytest.mark.spec("zero.join.uneven_inputs")
@@ -305,21 +270,19 @@ def test_ddp_zero_matches_ddp_local_optimizer(world: World, data: st.DataObject)
 @given(data=st.data())
 def test_join_with_uneven_inputs_matches_ddp(world: World, data: st.DataObject) -> None:
     case = data.draw(join_cases(world.world_size), label="case")
+    parity.attach(repr(case))
     for rank, iterations in enumerate(world.run(training.join_on_rank, case)):
         for index, (zero_params, ddp_params) in enumerate(iterations):
-            _assert_params(
-                zero_params, ddp_params, f"ZeRO at iteration {index} on rank {rank}", repr(case)
-            )
+            _assert_params(zero_params, ddp_params, f"ZeRO at iteration {index} on rank {rank}")
 
 
 def _check_overlap(world: World, shard_buckets: bool, data: st.DataObject) -> None:
     case = data.draw(overlap_cases(world.world_size, shard_buckets=shard_buckets), label="case")
+    parity.attach(repr(case))
     for rank, (before, overlapped, local) in enumerate(world.run(training.overlap_on_rank, case)):
-        _assert_params(overlapped, local, f"overlapped DDP+ZeRO on rank {rank}", repr(case))
+        _assert_params(overlapped, local, f"overlapped DDP+ZeRO on rank {rank}")
         changed = any(not np.array_equal(a, b) for a, b in zip(before, overlapped, strict=True))
-        assert_equal_values(
-            changed, True, what=f"parameters updated on rank {rank}", call=repr(case)
-        )
+        assert_equal_values(changed, True, what=f"parameters updated on rank {rank}")
 
 
 @pytest.mark.spec("zero.ddp_overlap.parity")
@@ -346,6 +309,7 @@ def test_ddp_hook_with_sharded_buckets_matches_ddp_local_sgd(
 @given(data=st.data())
 def test_model_parallel_ranks_match_a_local_model(world: World, data: st.DataObject) -> None:
     case = data.draw(join_cases(world.world_size), label="case")
+    parity.attach(repr(case))
     for rank, steps in enumerate(world.run(training.model_parallel_on_rank, case)):
         for index, (loss, local_loss, params, local_params) in enumerate(steps):
             # TF32 and two devices reorder the matmuls (upstream allows 1e-3 as well).
@@ -358,7 +322,6 @@ def test_model_parallel_ranks_match_a_local_model(world: World, data: st.DataObj
                 dtype="float32",
                 what=f"loss at {what}",
                 why="TF32 matmuls",
-                call=repr(case),
             )
             for p, q in zip(params, local_params, strict=True):
                 assert_close(
@@ -369,5 +332,4 @@ def test_model_parallel_ranks_match_a_local_model(world: World, data: st.DataObj
                     dtype="float32",
                     what=f"parameters at {what}",
                     why="TF32 matmuls",
-                    call=repr(case),
                 )

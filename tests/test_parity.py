@@ -2,24 +2,32 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Iterator
+from types import TracebackType
+
 import numpy as np
 import pytest
 
 from harness import parity
+from harness.errors import InvalidArgument
 
 
-def test_equal_arrays_pass_and_nan_equals_nan():
+def test_equal_arrays_pass_and_nan_equals_nan() -> None:
     parity.assert_array_equal(np.array([1.0, np.nan]), np.array([1.0, np.nan]), what="x")
 
 
-def test_shape_mismatch_names_both_shapes():
-    with pytest.raises(
-        AssertionError, match=r"shape of local: got \(2, 5\), should be \(1, 5\) \[call\(\)\]"
-    ):
-        parity.assert_array_equal(np.zeros((2, 5)), np.zeros((1, 5)), what="local", call="call()")
+def test_shape_mismatch_names_both_shapes() -> None:
+    with parity.collecting():
+        parity.attach("call()")
+        with pytest.raises(
+            AssertionError,
+            match=r"^shape of local: got \(2, 5\), should be \(1, 5\) \[call\(\)\]$",
+        ):
+            parity.assert_array_equal(np.zeros((2, 5)), np.zeros((1, 5)), what="local")
 
 
-def test_value_mismatch_names_first_index_and_count():
+def test_value_mismatch_names_first_index_and_count() -> None:
     actual = np.array([[1.0, 2.0], [3.0, 9.0]])
     with pytest.raises(
         AssertionError, match=r"got 9.0 at index \(1, 1\), should be 4.0 \(1 of 4 elements differ\)"
@@ -27,7 +35,7 @@ def test_value_mismatch_names_first_index_and_count():
         parity.assert_array_equal(actual, np.array([[1.0, 2.0], [3.0, 4.0]]), what="x")
 
 
-def test_assert_close_reports_tolerance_reason_and_metrics():
+def test_assert_close_reports_tolerance_reason_and_metrics() -> None:
     with pytest.raises(AssertionError, match="within atol=0 \\+ rtol=1e-06 \\(reordered sums\\)"):
         parity.assert_close(
             np.array([1.0, 2.001]),
@@ -51,19 +59,23 @@ def test_assert_close_reports_tolerance_reason_and_metrics():
     assert metrics.max_ulp == pytest.approx(1.0)
 
 
-def test_assert_close_rejects_bad_tolerances():
-    with pytest.raises(ValueError, match="rtol=-1"):
+@pytest.mark.parametrize(
+    ("rtol", "atol", "message"),
+    [(-1, 0, "rtol=-1 must be"), (0, math.inf, "atol=inf must be"), (math.nan, 0, "rtol=nan")],
+)
+def test_assert_close_rejects_bad_tolerances(rtol: float, atol: float, message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message):
         parity.assert_close(
-            np.zeros(1), np.zeros(1), rtol=-1, atol=0, dtype="float32", what="w", why=""
+            np.zeros(1), np.zeros(1), rtol=rtol, atol=atol, dtype="float32", what="w", why=""
         )
 
 
-def test_metrics_of_exact_and_empty_arrays_are_zero():
+def test_metrics_of_exact_and_empty_arrays_are_zero() -> None:
     assert parity.error_metrics(np.ones(3), np.ones(3), "float32").max_ulp == 0
     assert parity.error_metrics(np.zeros(0), np.zeros(0), "float32").max_abs == 0
 
 
-def test_record_keeps_the_worst_value_per_name():
+def test_record_keeps_the_worst_value_per_name() -> None:
     with parity.collecting() as log:
         parity.record("grad", parity.ErrorMetrics(1.0, 0.5, 2.0), rtol=1e-6, atol=0.0)
         parity.record("grad", parity.ErrorMetrics(0.5, 0.7, 1.0), rtol=1e-5, atol=0.0)
@@ -82,3 +94,97 @@ def test_record_keeps_the_worst_value_per_name():
         "step": {"max_abs": 0.0, "max_rel": 0.0, "max_ulp": 0.0, "rtol": 1e-9, "atol": 1e-12},
     }
     parity.record("ignored outside collecting", parity.ErrorMetrics(0, 0, 0), rtol=0, atol=0)
+
+
+@pytest.fixture(autouse=True)
+def _no_call_attached() -> Iterator[None]:
+    """The reproduction is module state: no test sees another's."""
+    parity.new_example()
+    yield
+    parity.new_example()
+
+
+def _raised_by(check: Callable[[], object]) -> pytest.ExceptionInfo[AssertionError]:
+    with pytest.raises(AssertionError) as raised:
+        check()
+    return raised
+
+
+def _message_of(check: Callable[[], object]) -> str:
+    return str(_raised_by(check).value)
+
+
+def _unequal() -> None:
+    parity.assert_equal_values(1, 2, what="x")
+
+
+def _unequal_arrays() -> None:
+    parity.assert_array_equal(np.ones(2), np.zeros(2), what="x")
+
+
+def _far() -> None:
+    parity.assert_close(
+        np.array([2.0]), np.array([1.0]), rtol=0, atol=0, dtype="float64", what="x", why="r"
+    )
+
+
+CHECKS = [_unequal, _unequal_arrays, _far]
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_every_failure_ends_with_the_attached_call(check: Callable[[], None]) -> None:
+    parity.attach("f(x=1)")
+    message = _message_of(check)
+    assert message.startswith("x: got ") and message.endswith(" [f(x=1)]"), message
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_no_attached_call_leaves_no_brackets(check: Callable[[], None]) -> None:
+    message = _message_of(check)
+    assert "[" not in message, message
+
+
+def test_a_failure_of_a_check_of_its_own_carries_the_call() -> None:
+    assert str(parity.failure("rank 0: got 1, should be 2")) == "rank 0: got 1, should be 2"
+    parity.attach("f(x=1)")
+    assert (
+        str(parity.failure("rank 0: got 1, should be 2")) == "rank 0: got 1, should be 2 [f(x=1)]"
+    )
+
+
+def test_the_latest_attached_call_is_the_one_named() -> None:
+    parity.attach("the whole case")
+    parity.attach("one part of it")
+    assert _message_of(_unequal) == "x: got 1, should be 2 [one part of it]"
+
+
+def test_a_new_example_clears_the_attached_call() -> None:
+    parity.attach("the first example")
+    parity.new_example()
+    assert _message_of(_unequal) == "x: got 1, should be 2"
+
+
+def test_each_test_starts_with_no_call_attached() -> None:
+    parity.attach("before the test")
+    with parity.collecting():
+        assert _message_of(_unequal) == "x: got 1, should be 2"
+        parity.attach("inside the test")
+        assert _message_of(_unequal) == "x: got 1, should be 2 [inside the test]"
+    assert _message_of(_unequal) == "x: got 1, should be 2 [before the test]"
+
+
+def test_attach_takes_text() -> None:
+    with pytest.raises(InvalidArgument, match="call=3 must be a str"):
+        parity.attach(3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_helpers_hide_their_frames_from_tracebacks(check: Callable[[], None]) -> None:
+    tb: TracebackType | None = _raised_by(check).tb
+    frames = []
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == parity.__file__:
+            frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    assert frames, "the failure is raised inside harness.parity"
+    assert all(frame.f_locals.get("__tracebackhide__") is True for frame in frames)

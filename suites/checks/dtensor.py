@@ -14,10 +14,10 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
+from harness import RankContext
 from harness.cases.placements import DistributeCase, OpCase, RedistributeCase, ReshapeCase
 from harness.parity import assert_array_equal, assert_equal_values
 from harness.torchkit import dtensor_ops, internals
-from harness.torchkit.context import RankContext
 from harness.torchkit.dtensor import (
     DTensorView,
     distribute,
@@ -29,7 +29,6 @@ from harness.torchkit.dtensor import (
 from specs.placements import (
     Coord,
     Partial,
-    Placement,
     assemble,
     contiguous_stride,
     coord_of_rank,
@@ -122,61 +121,41 @@ def redistribute_error_on_rank(ctx: RankContext, case: RedistributeCase) -> str 
 
 def assert_layout(
     views: Sequence[DTensorView],
+    case: DistributeCase | RedistributeCase,
     *,
-    mesh_shape: tuple[int, ...],
-    placements: tuple[Placement, ...],
-    global_array: np.ndarray,
-    dtype: str,
-    call: str,
     partial_values_known: bool,
 ) -> None:
-    """Every rank holds what the model says a DTensor laid out by ``placements`` holds.
+    """Every rank holds what the model says the case's DTensor holds: laid out by its
+    placements (a redistribution's target ones), with its global value and dtype.
 
     Local values are compared exactly unless a ``Partial`` axis holds contributions the
     model cannot predict (``partial_values_known=False``); then the contributions must still
     have the model's shapes and reduce to the global value.
     """
+    __tracebackhide__ = True
+    mesh_shape, global_array, dtype = case.mesh_shape, case.global_array(), case.dtype
+    placements = case.dst if isinstance(case, RedistributeCase) else case.placements
     expected = local_arrays(global_array, mesh_shape, placements)
     has_partial = any(isinstance(p, Partial) for p in placements)
-    assert_equal_values(len(views), len(expected), what="number of ranks reporting", call=call)
+    assert_equal_values(len(views), len(expected), what="number of ranks reporting")
     for rank, view in enumerate(views):
         coord = coord_of_rank(mesh_shape, rank)
         who = f"rank {rank} (mesh coord {coord})"
-        assert_equal_values(view.coord, coord, what=f"mesh coordinate of rank {rank}", call=call)
-        assert_equal_values(
-            view.shape, global_array.shape, what=f"global shape on {who}", call=call
-        )
-        assert_equal_values(
-            view.stride,
-            contiguous_stride(global_array.shape),
-            what=f"global stride on {who}",
-            call=call,
-        )
-        assert_equal_values(
-            view.placements,
-            normalize(placements, global_array.ndim),
-            what=f"placements on {who}",
-            call=call,
-        )
-        assert_equal_values(
-            (view.dtype, view.local_dtype),
-            (dtype, dtype),
-            what=f"(dtype, local dtype) on {who}",
-            call=call,
-        )
+        assert_equal_values(view.coord, coord, what=f"mesh coordinate of rank {rank}")
+        assert_equal_values(view.shape, global_array.shape, what=f"global shape on {who}")
+        stride = contiguous_stride(global_array.shape)
+        assert_equal_values(view.stride, stride, what=f"global stride on {who}")
+        normalized = normalize(placements, global_array.ndim)
+        assert_equal_values(view.placements, normalized, what=f"placements on {who}")
+        dtypes = (view.dtype, view.local_dtype)
+        assert_equal_values(dtypes, (dtype, dtype), what=f"(dtype, local dtype) on {who}")
         if partial_values_known or not has_partial:
-            assert_array_equal(view.local, expected[coord], what=f"to_local() on {who}", call=call)
+            assert_array_equal(view.local, expected[coord], what=f"to_local() on {who}")
         else:
-            assert_equal_values(
-                view.local.shape,
-                expected[coord].shape,
-                what=f"to_local() shape on {who}",
-                call=call,
-            )
+            shape = expected[coord].shape
+            assert_equal_values(view.local.shape, shape, what=f"to_local() shape on {who}")
         assert view.full is not None, "views are taken with full_tensor()"
-        assert_array_equal(view.full, global_array, what=f"full_tensor() on {who}", call=call)
+        assert_array_equal(view.full, global_array, what=f"full_tensor() on {who}")
     if has_partial:
         reduced = assemble({v.coord: v.local for v in views}, mesh_shape, placements)
-        assert_array_equal(
-            reduced, global_array, what="global value the local arrays reduce to", call=call
-        )
+        assert_array_equal(reduced, global_array, what="global value the local arrays reduce to")

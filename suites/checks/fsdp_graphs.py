@@ -8,6 +8,7 @@ compares those plain values with ``specs.modules``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -19,9 +20,9 @@ from torch.distributed._composable.replicate import replicate
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from harness import RankContext
 from harness.cases.modules import GraphCase
 from harness.torchkit import internals
-from harness.torchkit.context import RankContext
 from harness.torchkit.dtensor import DTensorView, tensor_from, to_numpy, view_of
 from harness.torchkit.module_graphs import BuiltGraph, build_graph, graph_batch, seeded_values
 from specs.modules import Loc, ParamInfo, simulate
@@ -179,39 +180,48 @@ def _local_rows(case: GraphCase, ctx: RankContext, step: int) -> tuple[torch.Ten
     return tuple(tensor_from(a[rows], "float64", ctx.device) for a in (inputs, targets))
 
 
+def _sgd_steps(
+    built: BuiltGraph, case: GraphCase, batch: Callable[[int], tuple[torch.Tensor, ...]]
+) -> tuple[float, ...]:
+    """``case.steps`` SGD steps of the MSE loss on ``batch(step)``; the loss of each."""
+    optimizer = torch.optim.SGD(built.root.parameters(), lr=case.lr, momentum=case.momentum)
+    losses = []
+    for step in range(case.steps):
+        inputs, targets = batch(step)
+        loss = F.mse_loss(built.root(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.item()))
+    return tuple(losses)
+
+
+def _rank_steps(built: BuiltGraph, case: GraphCase, ctx: RankContext) -> tuple[float, ...]:
+    """``_sgd_steps`` on this rank's rows of each step's batch."""
+    return _sgd_steps(built, case, lambda step: _local_rows(case, ctx, step))
+
+
 def train_on_rank(ctx: RankContext, case: GraphCase, assign_root: bool = False) -> TrainView:
     """Shard with the plan (materialising a meta graph), then ``case.steps`` SGD steps."""
     built = build_graph(case, ctx.device)
     apply_plan(built, ctx)
     after_reset = _materialize(built, ctx, assign_root) if case.meta else None
-    optimizer = torch.optim.SGD(built.root.parameters(), lr=case.lr, momentum=case.momentum)
-    losses = []
-    for step in range(case.steps):
-        inputs, targets = _local_rows(case, ctx, step)
-        loss = F.mse_loss(built.root(inputs), targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss.item()))
+    losses = _rank_steps(built, case, ctx)
     values = {loc: _full(tensor) for loc, tensor in built.places()}
     objects = _objects(built, buffers=not case.meta)  # to_empty copies buffers per module
-    return TrainView(objects, values, tuple(losses), after_reset)
+    return TrainView(objects, values, losses, after_reset)
 
 
 def reference_training(case: GraphCase, world_size: int) -> TrainView:
     """The same graph and steps on one CPU device over the global batch."""
     built = build_graph(replace(case, meta=False), "cpu")
-    optimizer = torch.optim.SGD(built.root.parameters(), lr=case.lr, momentum=case.momentum)
-    losses = []
-    for step in range(case.steps):
-        inputs, targets = (torch.from_numpy(a) for a in graph_batch(case, world_size, step))
-        loss = F.mse_loss(built.root(inputs), targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss.item()))
+    losses = _sgd_steps(
+        built,
+        case,
+        lambda step: tuple(torch.from_numpy(a) for a in graph_batch(case, world_size, step)),
+    )
     values = {loc: _full(tensor) for loc, tensor in built.places()}
-    return TrainView(_objects(built), values, tuple(losses))
+    return TrainView(_objects(built), values, losses)
 
 
 def initial_values(case: GraphCase) -> dict[Loc, np.ndarray]:
@@ -375,22 +385,14 @@ def _received(meta: torch.Tensor, value: torch.Tensor | None, ctx: RankContext) 
 
 
 def _train_loaded(built: BuiltGraph, case: GraphCase, ctx: RankContext) -> TrainView:
-    optimizer = torch.optim.SGD(built.root.parameters(), lr=case.lr, momentum=case.momentum)
     after_load = {
         built.graph.source(loc): _full(t)
         for loc, t in built.places()
         if loc in built.graph.param_locs(loc[0])
     }
-    losses = []
-    for step in range(case.steps):
-        inputs, targets = _local_rows(case, ctx, step)
-        loss = F.mse_loss(built.root(inputs), targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss.item()))
+    losses = _rank_steps(built, case, ctx)
     values = {loc: _full(tensor) for loc, tensor in built.places()}
-    return TrainView(_objects(built), values, tuple(losses), after_load)
+    return TrainView(_objects(built), values, losses, after_load)
 
 
 def seeded_full(case: GraphCase, loc: Loc, shape: tuple[int, ...]) -> np.ndarray:

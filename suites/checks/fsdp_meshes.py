@@ -17,9 +17,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from harness import RankContext
 from harness.cases.modules import MLPMeshCase
-from harness.parity import assert_array_equal
-from harness.torchkit.context import RankContext
+from harness.parity import assert_array_equal, failure
 from harness.torchkit.dtensor import DTensorView, tensor_from, to_numpy, view_of
 from harness.torchkit.module_graphs import GraphMLP, build_mesh_mlp, mesh_batch, reset_all
 from specs import fsdp_layouts as layouts
@@ -319,21 +319,22 @@ def buffer_value(case: MLPMeshCase) -> np.ndarray:
 
 
 def assert_replicas(
-    view: HSDPView, name: str, original: np.ndarray, replicas: int, rank: int, call: str
+    view: HSDPView, name: str, original: np.ndarray, replicas: int, rank: int
 ) -> None:
     """Replicas > 0 were overwritten (so they differed from replica 0, which kept
     ``original``); after the broadcast every replica holds ``original``."""
+    __tracebackhide__ = True
     who = f"{name} on rank {rank}"
     corrupted, broadcast = view.corrupted[name], view.broadcast[name]
-    assert_array_equal(corrupted[0], original, what=f"replica 0 of {who}", call=call)
+    assert_array_equal(corrupted[0], original, what=f"replica 0 of {who}")
     for index in range(1, replicas):
         if original.size:
             constant = np.full_like(original, CONSTANT)
             what = f"overwritten replica {index} of {who}"
-            assert_array_equal(corrupted[index], constant, what=what, call=call)
+            assert_array_equal(corrupted[index], constant, what=what)
     for index in range(replicas):
         what = f"replica {index} of {who} after the broadcast"
-        assert_array_equal(broadcast[index], original, what=what, call=call)
+        assert_array_equal(broadcast[index], original, what=what)
 
 
 def assert_fsdp_over_tp(
@@ -341,17 +342,16 @@ def assert_fsdp_over_tp(
 ) -> None:
     """The parameter's placements are a conformant spelling of FSDP over TP, its local data
     is FSDP's piece of TP's piece, and its full value is the original."""
-    (dp, tp), call = case.mesh_shape, case.call("FSDP over TP")
+    __tracebackhide__ = True
+    dp, tp = case.mesh_shape
     tp_dim = TP_DIMS[name]
     fsdp_dim = 1 if case.other_dim and tp_dim == 0 and name.endswith("weight") else 0
     who = f"{name} on rank {rank}"
     spellings = layouts.fsdp_over_tp_spellings(tp_dim, fsdp_dim, tp)
     spelled = tuple(map(str, view.placements))
     if spelled not in spellings:
-        raise AssertionError(
-            f"placements of {who}: got {spelled}, should be one of {spellings} [{call}]"
-        )
+        raise failure(f"placements of {who}: got {spelled}, should be one of {spellings}")
     local = layouts.fsdp_over_tp_local(full, (dp, tp), divmod(rank, tp), tp_dim, fsdp_dim)
-    assert_array_equal(view.local, local, what=f"local data of {who}", call=call)
+    assert_array_equal(view.local, local, what=f"local data of {who}")
     assert view.full is not None, "views carry full_tensor()"
-    assert_array_equal(view.full, full, what=f"full_tensor() of {who}", call=call)
+    assert_array_equal(view.full, full, what=f"full_tensor() of {who}")

@@ -16,9 +16,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
+from harness import RankContext
 from harness.cases.modules import ContainerCase, GraphCase, MLPMeshCase, ShardDimCase
-from harness.parity import assert_array_equal, assert_close, assert_equal_values
-from harness.torchkit.context import RankContext
+from harness.parity import assert_array_equal, assert_close, assert_equal_values, failure
 from harness.torchkit.dtensor import DTensorView, tensor_from, to_numpy, view_of
 from harness.torchkit.module_graphs import (
     DictWithForward,
@@ -326,27 +326,31 @@ def assert_shard_dim_result(
     values: dict[str, np.ndarray],
     rank: int,
     world_size: int,
-    call: str,
 ) -> None:
     """The error the model predicts, or each parameter ``(Shard(d),)`` holding this rank's
     piece of dim ``d``, its full value the original."""
+    __tracebackhide__ = True
     if outcome and isinstance(outcome[0], str):
         got = result if not isinstance(result, Raised) else (result.kind, result.message)
         ok = isinstance(got, tuple) and got[0] == outcome[0] and got[1].startswith(str(outcome[1]))
         if not ok:
-            raise AssertionError(f"rank {rank}: got {got!r}, should be {outcome!r}... [{call}]")
+            raise failure(f"rank {rank}: got {got!r}, should be {outcome!r}...")
         return
-    assert isinstance(result, dict), f"rank {rank}: got {result!r}, should succeed [{call}]"
+    if not isinstance(result, dict):
+        raise failure(f"rank {rank}: got {result!r}, should succeed")
     for (name, view), dim in zip(result.items(), outcome, strict=True):
         full, who = values[name], f"{name} on rank {rank}"
         assert isinstance(dim, int)
-        assert_equal_values(
-            view.placements, (SpecShard(dim),), what=f"placements of {who}", call=call
-        )
+        assert_equal_values(view.placements, (SpecShard(dim),), what=f"placements of {who}")
         local = chunk(full, world_size, dim, rank)
-        assert_array_equal(view.local, local, what=f"local shard of {who}", call=call)
+        assert_array_equal(view.local, local, what=f"local shard of {who}")
         assert view.full is not None, "views carry full_tensor()"
-        assert_array_equal(view.full, full, what=f"full_tensor() of {who}", call=call)
+        assert_array_equal(view.full, full, what=f"full_tensor() of {who}")
+
+
+def mixed_call(case: GraphCase) -> str:
+    """The reproduction of ``mixed_on_rank``'s run."""
+    return f"FrozenMixedDtypes(width={case.width}), batch {case.batch_per_rank}/rank"
 
 
 # float32 matmuls of a few rows against the whole batch, and the mean of per-rank mean losses
@@ -355,43 +359,37 @@ F32_RTOL, F32_ATOL = 1e-5, 1e-6
 F32_WHY = "float32 sums of the same terms in another order (row blocks, per-rank means)"
 
 
+def _assert_float32_close(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
+    __tracebackhide__ = True
+    assert_close(
+        actual, expected, rtol=F32_RTOL, atol=F32_ATOL, dtype="float32", what=what, why=F32_WHY
+    )
+
+
 def assert_mixed(
     view: MixedView, reference: MixedView, rank: int, world_size: int, case: GraphCase
 ) -> None:
     """dtypes kept, values unchanged, the frozen weight gets no gradient, output and the
     trainable weight's gradient match one device."""
-    call = f"FrozenMixedDtypes(width={case.width}), batch {case.batch_per_rank}/rank"
-    assert_equal_values(
-        view.dtypes, reference.dtypes, what=f"(dtype, local dtype) on rank {rank}", call=call
-    )
+    __tracebackhide__ = True
+    what = f"(dtype, local dtype) on rank {rank}"
+    assert_equal_values(view.dtypes, reference.dtypes, what=what)
     for name, full in reference.values.items():
         local = chunk(full, world_size, 0, rank)
-        assert_array_equal(view.values[name], local, what=f"{name} on rank {rank}", call=call)
+        assert_array_equal(view.values[name], local, what=f"{name} on rank {rank}")
     rows = slice(rank * case.batch_per_rank, (rank + 1) * case.batch_per_rank)
-    assert_close(
-        view.output,
-        reference.output[rows],
-        rtol=F32_RTOL,
-        atol=F32_ATOL,
-        dtype="float32",
-        what=f"output on rank {rank}",
-        why=F32_WHY,
-        call=call,
-    )
+    _assert_float32_close(view.output, reference.output[rows], f"output on rank {rank}")
     assert_equal_values(view.grads["w_fp8"], None, what=f"grad of the frozen weight on rank {rank}")
     grad, expected = view.grads["w_fp32"], reference.grads["w_fp32"]
-    assert grad is not None, f"rank {rank}: no gradient of w_fp32 [{call}]"
+    if grad is None:
+        raise failure(f"rank {rank}: no gradient of w_fp32")
     assert expected is not None, "the reference trains w_fp32"
-    assert_close(
-        grad,
-        expected,
-        rtol=F32_RTOL,
-        atol=F32_ATOL,
-        dtype="float32",
-        what=f"grad of w_fp32 on rank {rank}",
-        why=F32_WHY,
-        call=call,
-    )
+    _assert_float32_close(grad, expected, f"grad of w_fp32 on rank {rank}")
+
+
+def classes_call(case: GraphCase) -> str:
+    """The reproduction of ``classes_on_rank``'s run."""
+    return f"{case.call()}, through torch.distributed._composable.fsdp, bf16 params"
 
 
 def assert_classes(
@@ -399,23 +397,17 @@ def assert_classes(
     expected: tuple[bool, ...],
     reference: dict[str, tuple[np.ndarray, float]],
     rank: int,
-    case: GraphCase,
 ) -> None:
-    call = f"{case.call()}, through torch.distributed._composable.fsdp, bf16 params"
-    assert_equal_values(view.same_api, True, what="old import path serves the same API", call=call)
-    assert_equal_values(
-        view.fsdp_module, expected, what=f"FSDPModule per node on rank {rank}", call=call
-    )
-    assert_equal_values(
-        all(view.kept_class), True, what=f"original classes kept on rank {rank}", call=call
-    )
-    assert_equal_values(view.output_dtype, "torch.bfloat16", what="output dtype", call=call)
-    assert_equal_values(
-        sorted(view.grads), sorted(reference), what=f"gradients on rank {rank}", call=call
-    )
+    __tracebackhide__ = True
+    assert_equal_values(view.same_api, True, what="old import path serves the same API")
+    assert_equal_values(view.fsdp_module, expected, what=f"FSDPModule per node on rank {rank}")
+    what = f"original classes kept on rank {rank}"
+    assert_equal_values(all(view.kept_class), True, what=what)
+    assert_equal_values(view.output_dtype, "torch.bfloat16", what="output dtype")
+    assert_equal_values(sorted(view.grads), sorted(reference), what=f"gradients on rank {rank}")
     for name, (grad, bound) in reference.items():
         what = f"dtype of grad of {name}"
-        assert_equal_values(view.grad_dtypes[name], "torch.float64", what=what, call=call)
+        assert_equal_values(view.grad_dtypes[name], "torch.float64", what=what)
         assert_close(
             view.grads[name],
             grad,
@@ -423,7 +415,6 @@ def assert_classes(
             atol=bound,
             dtype="bfloat16",
             what=f"grad of {name} on rank {rank}",
-            call=call,
             why="bf16 per-rank gradients summed and divided in bf16 by the reduce-scatter",
             record_as="grad/bf16",
         )

@@ -22,10 +22,10 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy, StateDictType, fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
+from harness import RankContext
 from harness.cases.hsdp import GroupErrorCase, HSDPCase, SyncCase
 from harness.torchkit import internals
 from harness.torchkit.collectives import CountKey, counting
-from harness.torchkit.context import RankContext
 from harness.torchkit.dtensor import tensor_from, to_numpy
 from harness.torchkit.models import build_mlp
 from harness.torchkit.optim import (

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -19,10 +20,10 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 
+from harness import RankContext
 from harness.cases.state_dict import StateDictCase
 from harness.cases.training import OptimConfig, ParityCase
 from harness.parity import assert_array_equal, assert_close, assert_equal_values
-from harness.torchkit.context import RankContext
 from harness.torchkit.dtensor import tensor_from, to_numpy
 from harness.torchkit.models import build_mlp
 from harness.torchkit.optim import rows_of, step_batch
@@ -151,38 +152,39 @@ def assert_same_state(
     want: FullState,
     *,
     what: str,
-    call: str,
     rtol: float = 0.0,
     atol: float = 0.0,
     why: str = "",
 ) -> None:
     """Bit for bit by default: a state round trip moves values, it computes nothing. A
     caller comparing arithmetic done elsewhere states its tolerance and ``why``."""
-    assert_equal_values(
-        list(got.params), list(want.params), what=f"parameters of {what}", call=call
-    )
+    __tracebackhide__ = True
+    assert_equal_values(list(got.params), list(want.params), what=f"parameters of {what}")
     tolerance = (rtol, atol, why)
     for name, value in want.params.items():
-        _assert_value(got.params[name], value, f"{name} of {what}", call, tolerance)
+        _assert_value(got.params[name], value, f"{name} of {what}", tolerance)
     assert_equal_values(
-        sorted(got.optim),
-        sorted(want.optim),
-        what=f"parameters with optimizer state in {what}",
-        call=call,
+        sorted(got.optim), sorted(want.optim), what=f"parameters with optimizer state in {what}"
     )
     for name, entry in want.optim.items():
         assert_equal_values(
-            sorted(got.optim[name]),
-            sorted(entry),
-            what=f"optimizer state keys of {name} in {what}",
-            call=call,
+            sorted(got.optim[name]), sorted(entry), what=f"optimizer state keys of {name} in {what}"
         )
         for key, value in entry.items():
             where = f"optimizer state {name}[{key!r}] of {what}"
-            _assert_value(got.optim[name][key], value, where, call, tolerance)
+            _assert_value(got.optim[name][key], value, where, tolerance)
     assert_equal_values(
-        _by_value(got.groups), _by_value(want.groups), what=f"parameter groups of {what}", call=call
+        _by_value(got.groups), _by_value(want.groups), what=f"parameter groups of {what}"
     )
+
+
+def assert_loaded_like(states: Sequence[FullState], *, what: str) -> None:
+    """``states`` as ``set_full_on_rank`` gives them (original, loaded, each after the next
+    step): what was loaded is the original, and the next step keeps them the same."""
+    __tracebackhide__ = True
+    original, loaded, original_next, loaded_next = states
+    assert_same_state(loaded, original, what=what)
+    assert_same_state(loaded_next, original_next, what=f"{what} after the next step")
 
 
 def _by_value(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -191,20 +193,17 @@ def _by_value(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in groups]
 
 
-def _assert_value(
-    got: Any, want: Any, what: str, call: str, tolerance: tuple[float, float, str]
-) -> None:
+def _assert_value(got: Any, want: Any, what: str, tolerance: tuple[float, float, str]) -> None:
+    __tracebackhide__ = True
     if not (isinstance(want, np.ndarray) and isinstance(got, np.ndarray)):
-        assert_equal_values(got, want, what=what, call=call)
+        assert_equal_values(got, want, what=what)
         return
-    assert_equal_values(str(got.dtype), str(want.dtype), what=f"dtype of {what}", call=call)
+    assert_equal_values(str(got.dtype), str(want.dtype), what=f"dtype of {what}")
     rtol, atol, why = tolerance
     if rtol == atol == 0:
-        assert_array_equal(got, want, what=what, call=call)
+        assert_array_equal(got, want, what=what)
     else:
-        assert_close(
-            got, want, rtol=rtol, atol=atol, dtype=str(want.dtype), what=what, why=why, call=call
-        )
+        assert_close(got, want, rtol=rtol, atol=atol, dtype=str(want.dtype), what=what, why=why)
 
 
 def _ptr(tensor: torch.Tensor) -> int | None:
@@ -226,6 +225,17 @@ def next_step(ctx: RankContext, sharded: Sharded) -> tuple[float, FullState]:
     step = sharded.case.train.steps
     (loss,) = sharded.train(ctx, step, step + 1)
     return loss, full_state(sharded.model, sharded.optimizer)
+
+
+LoadedStates = tuple[FullState, FullState, FullState, FullState]
+"""(original, loaded, original after the next step, loaded after the next step)."""
+
+
+def loaded_states(ctx: RankContext, original: Sharded, loaded: Sharded) -> LoadedStates:
+    """The states of a model and optimizer and of the fresh ones their state was set into,
+    now and after each takes its next step."""
+    original_state, loaded_state = (full_state(s.model, s.optimizer) for s in (original, loaded))
+    return original_state, loaded_state, next_step(ctx, original)[1], next_step(ctx, loaded)[1]
 
 
 # --- sharded state dict -------------------------------------------------------------------

@@ -17,8 +17,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from harness import RankContext
 from harness.cases.state_dict import ResumeCase, StateDictCase
-from harness.torchkit.context import RankContext
 from specs.resume import Phase
 from suites.checks.state_dict import FullState, Sharded, build, full_state
 from suites.checks.state_dict_full import FULL

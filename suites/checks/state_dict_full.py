@@ -20,20 +20,22 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from harness import RankContext
 from harness.cases.state_dict import StateDictCase
 from harness.cases.training import ParityCase
-from harness.torchkit.context import RankContext
+from harness.errors import check_one_of
 from harness.torchkit.dtensor import to_numpy, torch_dtype
 from harness.torchkit.models import build_mlp
 from harness.torchkit.training import optimizer_for, parallelize, train_step
 from suites.checks.state_dict import (
     FullState,
+    LoadedStates,
     Sharded,
     _full,
     build,
     fresh_training,
     full_state,
-    next_step,
+    loaded_states,
 )
 
 FULL = StateDictOptions(full_state_dict=True)
@@ -124,7 +126,7 @@ def full_get_on_rank(ctx: RankContext, case: StateDictCase) -> FullView:
     )
 
 
-def set_full_on_rank(ctx: RankContext, case: StateDictCase, how: str) -> tuple[FullState, ...]:
+def set_full_on_rank(ctx: RankContext, case: StateDictCase, how: str) -> LoadedStates:
     """A full state dict of a trained model and optimizer set into fresh ones:
 
     - ``full``: every rank holds it, ``set_state_dict(full_state_dict=True)``;
@@ -134,38 +136,28 @@ def set_full_on_rank(ctx: RankContext, case: StateDictCase, how: str) -> tuple[F
     - ``module_load``: every rank holds it, the model's own ``load_state_dict`` (the
       optimizer's through ``set_optimizer_state_dict``).
 
-    (original, loaded, original after the next step, loaded after the next step)."""
-    if how not in SET_FULL:
-        raise ValueError(f"how={how!r} must be one of {SET_FULL}")
+    The states as ``loaded_states`` gives them."""
+    check_one_of("how", how, SET_FULL)
     original = trained(ctx, case)
     every_rank = how in ("full", "module_load")
-    options = FULL if every_rank else FULL_ON_CPU
-    model_sd, optim_sd = copied(get_state_dict(original.model, original.optimizer, options=options))
+    taking, setting = (FULL, FULL) if every_rank else (FULL_ON_CPU, FROM_RANK0)
+    model_sd, optim_sd = copied(get_state_dict(original.model, original.optimizer, options=taking))
     fresh = build(ctx, case, fresh=True)
-    if how == "full":
+    if how in ("full", "broadcast_joint"):  # one set_state_dict call
         set_state_dict(
             fresh.model,
             fresh.optimizer,
             model_state_dict=model_sd,
             optim_state_dict=optim_sd,
-            options=FULL,
-        )
-    elif how == "broadcast":
-        set_model_state_dict(fresh.model, model_sd, options=FROM_RANK0)
-        set_optimizer_state_dict(fresh.model, fresh.optimizer, optim_sd, options=FROM_RANK0)
-    elif how == "broadcast_joint":
-        set_state_dict(
-            fresh.model,
-            fresh.optimizer,
-            model_state_dict=model_sd,
-            optim_state_dict=optim_sd,
-            options=FROM_RANK0,
+            options=setting,
         )
     else:
-        fresh.model.load_state_dict(model_sd)
-        set_optimizer_state_dict(fresh.model, fresh.optimizer, optim_sd, options=FULL)
-    states = [full_state(s.model, s.optimizer) for s in (original, fresh)]
-    return (*states, next_step(ctx, original)[1], next_step(ctx, fresh)[1])
+        if how == "broadcast":
+            set_model_state_dict(fresh.model, model_sd, options=setting)
+        else:
+            fresh.model.load_state_dict(model_sd)
+        set_optimizer_state_dict(fresh.model, fresh.optimizer, optim_sd, options=setting)
+    return loaded_states(ctx, original, fresh)
 
 
 # --- optimizer state --------------------------------------------------------------------
@@ -180,7 +172,7 @@ class OptimView:
     group_params: list[list[str]]
     placements_as_params: bool
     """Every tensor of a parameter's shape is a DTensor placed like the parameter."""
-    states: tuple[FullState, FullState, FullState, FullState]
+    states: LoadedStates
 
 
 def optim_fqn_on_rank(ctx: RankContext, case: StateDictCase) -> OptimView:
@@ -196,12 +188,11 @@ def optim_fqn_on_rank(ctx: RankContext, case: StateDictCase) -> OptimView:
     fresh = build(ctx, case, fresh=True)
     fresh.model.load_state_dict(original.model.state_dict())
     set_optimizer_state_dict(fresh.model, fresh.optimizer, copied(optim_sd))
-    states = [full_state(s.model, s.optimizer) for s in (original, fresh)]
     return OptimView(
         state_keys=list(optim_sd["state"]),
         group_params=[list(g["params"]) for g in optim_sd["param_groups"]],
         placements_as_params=placed,
-        states=(*states, next_step(ctx, original)[1], next_step(ctx, fresh)[1]),  # type: ignore[arg-type]
+        states=loaded_states(ctx, original, fresh),
     )
 
 
@@ -272,9 +263,9 @@ def ddp_state_dict_on_rank(ctx: RankContext, case: ParityCase) -> WrappedStateVi
 
 def hsdp_on_rank(
     ctx: RankContext, case: StateDictCase
-) -> tuple[dict[str, list[int]], tuple[FullState, ...]]:
+) -> tuple[dict[str, list[int]], LoadedStates]:
     """The ranks of each parameter's replicate and shard groups, and a sharded model and
-    optimizer state dict set into a fresh HSDP model (states as ``set_full_on_rank``)."""
+    optimizer state dict set into a fresh HSDP model (states as ``loaded_states``)."""
     original = trained(ctx, case)
     groups = {}
     for name, param in original.model.named_parameters():
@@ -287,8 +278,7 @@ def hsdp_on_rank(
     set_state_dict(
         fresh.model, fresh.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd
     )
-    states = [full_state(s.model, s.optimizer) for s in (original, fresh)]
-    return groups, (*states, next_step(ctx, original)[1], next_step(ctx, fresh)[1])
+    return groups, loaded_states(ctx, original, fresh)
 
 
 # --- CPU offload ------------------------------------------------------------------------------

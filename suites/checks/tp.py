@@ -20,10 +20,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from harness import RankContext
 from harness.cases.tp import LossCase, TiedCase, TPCase, TransformerCase
 from harness.torchkit import shared_contexts
 from harness.torchkit.collectives import CountKey, counting
-from harness.torchkit.context import RankContext
 from harness.torchkit.dtensor import (
     from_torch_placements,
     tensor_from,

@@ -4,13 +4,15 @@ assertions that compare them with the single-device reference."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from harness import RankContext
 from harness.cases.training import ParityCase, StepCase
 from harness.parity import assert_close, assert_equal_values
-from harness.torchkit.context import RankContext
 from harness.torchkit.dtensor import tensor_from, to_numpy, to_torch_placements
 from harness.torchkit.models import Centering, build_centered_mlp, build_mlp
 from harness.torchkit.optim import (
@@ -45,22 +47,14 @@ def assert_trained_like(
 ) -> None:
     """Every step's loss (the mean over data-parallel ranks) and every rank's final
     parameters equal the single-device reference within ``rtol``/``atol`` (``why``)."""
-    call = case.call()
+    __tracebackhide__ = True
+    tolerance = _Tolerance(case.dtype, rtol, atol, why)
     for step, expected in enumerate(reference.losses):
         losses = [trained[r].losses[step] for r in data_parallel_ranks(case)]
-        assert_close(
-            np.array(sum(losses) / len(losses)),
-            np.array(expected),
-            rtol=rtol,
-            atol=atol,
-            dtype=case.dtype,
-            what=f"loss of step {step}",
-            why=why,
-            call=call,
-            record_as=f"loss/{case.dtype}",
-        )
+        mean = np.array(sum(losses) / len(losses))
+        tolerance.assert_close(mean, np.array(expected), f"loss of step {step}", "loss")
     for rank, result in enumerate(trained):
-        _assert_same_params(result, reference, case, rank, "", rtol, atol, why, call)
+        _assert_same_params(result, reference, case, rank, "", tolerance)
 
 
 def assert_same_training(
@@ -72,24 +66,40 @@ def assert_same_training(
     atol: float,
     why: str,
     against: str,
-    call: str,
 ) -> None:
     """Rank by rank, the same losses at every step and the same final parameters as
     ``want`` (another layout trained on the same rows: ``against``)."""
+    __tracebackhide__ = True
+    tolerance = _Tolerance(case.dtype, rtol, atol, why)
+    suffix = f" (against {against})"
     for rank, (result, expected) in enumerate(zip(got, want, strict=True)):
+        losses, expected_losses = np.array(result.losses), np.array(expected.losses)
+        tolerance.assert_close(losses, expected_losses, f"losses on rank {rank}{suffix}", "loss")
+        _assert_same_params(result, expected, case, rank, suffix, tolerance)
+
+
+@dataclass(frozen=True)
+class _Tolerance:
+    """The tolerance a caller states (``why``: why it is not zero) for one dtype; what it
+    compares is recorded for the report as ``<kind>/<dtype>``."""
+
+    dtype: str
+    rtol: float
+    atol: float
+    why: str
+
+    def assert_close(self, got: np.ndarray, want: np.ndarray, what: str, kind: str) -> None:
+        __tracebackhide__ = True
         assert_close(
-            np.array(result.losses),
-            np.array(expected.losses),
-            rtol=rtol,
-            atol=atol,
-            dtype=case.dtype,
-            what=f"losses on rank {rank} (against {against})",
-            why=why,
-            call=call,
-            record_as=f"loss/{case.dtype}",
+            got,
+            want,
+            rtol=self.rtol,
+            atol=self.atol,
+            dtype=self.dtype,
+            what=what,
+            why=self.why,
+            record_as=f"{kind}/{self.dtype}",
         )
-        suffix = f" (against {against})"
-        _assert_same_params(result, expected, case, rank, suffix, rtol, atol, why, call)
 
 
 def _assert_same_params(
@@ -98,27 +108,16 @@ def _assert_same_params(
     case: ParityCase,
     rank: int,
     suffix: str,
-    rtol: float,
-    atol: float,
-    why: str,
-    call: str,
+    tolerance: _Tolerance,
 ) -> None:
     """The same parameter names as ``expected`` and each final parameter close to it."""
+    __tracebackhide__ = True
     assert_equal_values(
         sorted(result.params), sorted(expected.params), what=f"parameter names on rank {rank}"
     )
     for name, value in expected.params.items():
-        assert_close(
-            result.params[name],
-            value,
-            rtol=rtol,
-            atol=atol,
-            dtype=case.dtype,
-            what=f"{name} after {case.steps} step(s) on rank {rank}{suffix}",
-            why=why,
-            call=call,
-            record_as=f"param/{case.dtype}",
-        )
+        what = f"{name} after {case.steps} step(s) on rank {rank}{suffix}"
+        tolerance.assert_close(result.params[name], value, what, "param")
 
 
 def ddp_forward_buffers_on_rank(ctx: RankContext, case: ParityCase) -> list[np.ndarray]:

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from harness import RankContext
 from harness.cases.training import OptimConfig, ParamsCase, PartitionCase
-from harness.torchkit.context import RankContext
 from harness.torchkit.dtensor import to_numpy
 
 

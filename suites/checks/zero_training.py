@@ -20,8 +20,8 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
+from harness import RankContext
 from harness.cases.training import JoinCase, OverlapCase, ParityCase
-from harness.torchkit.context import RankContext
 from harness.torchkit.dtensor import tensor_from, to_numpy
 from harness.torchkit.models import build_mlp
 from harness.torchkit.optim import build_optimizer, loss_of, param_groups
