@@ -72,8 +72,8 @@ def test_run_writes_one_record_per_spec_and_world_size(tmp_path):
 def test_run_rejects_an_unknown_suite():
     done = _python("-m", "harness", "run", "--suite", "nope")
     assert done.returncode != 0
-    suites = str(sorted({spec.suite for spec in catalogue.load().values()}))
-    assert f"--suite='nope' is not a suite; choose from {suites}" in done.stderr
+    suites = tuple(sorted({spec.suite for spec in catalogue.load().values()}))
+    assert f"--suite='nope' must be one of {suites!r}" in done.stderr
 
 
 BROKEN_CHUNKING = """

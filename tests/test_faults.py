@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from harness import catalogue, faults
+from harness.config import RunConfig
 from harness.faults import Fault, FaultError, Patch
 from harness.mutation import mutate
 from harness.report.records import ReportError
@@ -300,9 +302,9 @@ def test_nothing_failing_means_the_fault_survived():
 
 
 def test_fault_runs_take_one_rank_last():
-    assert mutate.detection_order("1,2,3,4") == "2,3,4,1"
-    assert mutate.detection_order("4,1,2") == "4,2,1"
-    assert mutate.detection_order("1") == "1"
+    assert mutate.detection_order((1, 2, 3, 4)) == (2, 3, 4, 1)
+    assert mutate.detection_order((4, 1, 2)) == (4, 2, 1)
+    assert mutate.detection_order((1,)) == (1,)
 
 
 def test_suites_of_the_faults_area_run_first_on_their_own():
@@ -316,9 +318,9 @@ def _fake_launch(monkeypatch, statuses_by_suite):
     """_launch writing one results record per suite of the run, with the given status."""
     launched: list[list[str]] = []
 
-    def launch(command, log):
-        suites = [a.split("=", 1)[1] for a in command if a.startswith("--suite=")]
-        out = Path(next(a.split("=", 1)[1] for a in command if a.startswith("--out=")))
+    def launch(config):
+        suites, out = list(config.suites), config.out
+        assert config.faults and config.exitfirst and config.world_sizes == (2, 1)
         launched.append(suites)
         out.mkdir(parents=True, exist_ok=True)
         records = [
@@ -378,21 +380,14 @@ def _fake_runs(monkeypatch, failing_suites=()):
     return ran
 
 
-CONFIG = mutate.RunConfig(
-    runner="threads",
-    device="cpu",
-    profile="ci",
-    world_sizes="1,2",
-    rank_timeout=60.0,
-    suites=("placements", "uneven"),
-)
+CONFIG = RunConfig(world_sizes=(1, 2), suites=("placements", "uneven"))
 TWO_FAULTS = ["dtensor.partial_avg_as_sum", "uneven.padding_leaks"]
 
 
 @pytest.mark.parametrize("jobs", [1, 2])
 def test_mutate_runs_every_clean_suite_and_every_fault(monkeypatch, tmp_path, jobs):
     ran = _fake_runs(monkeypatch)
-    result = mutate.mutate(CONFIG, TWO_FAULTS, tmp_path, jobs=jobs)
+    result = mutate.mutate(replace(CONFIG, out=tmp_path), TWO_FAULTS, jobs=jobs)
     assert sorted(ran) == sorted(
         ["clean:placements", "clean:uneven", *(f"fault:{f}" for f in TWO_FAULTS)]
     )
@@ -406,7 +401,7 @@ def test_a_failing_clean_suite_voids_the_score_and_later_fault_runs_do_not_start
     monkeypatch, tmp_path
 ):
     ran = _fake_runs(monkeypatch, failing_suites=("uneven",))
-    result = mutate.mutate(CONFIG, TWO_FAULTS, tmp_path, jobs=1)
+    result = mutate.mutate(replace(CONFIG, out=tmp_path), TWO_FAULTS, jobs=1)
     assert sorted(ran) == ["clean:placements", "clean:uneven"]  # and no fault run
     assert result.void and "1 unexpected outcome(s)" in result.void
     assert [r.problem for r in result.results] == [
@@ -466,18 +461,17 @@ def test_a_malformed_table_is_a_report_error(tmp_path):
         build_page(FIXTURE_RUN, mutation_table=path)
 
 
-def test_the_launcher_runs_each_command_in_a_process_of_its_own(tmp_path):
+def test_the_launcher_runs_each_run_in_a_process_of_its_own(tmp_path):
     from harness.mutation import launcher
 
-    listing = tmp_path / "list.txt"
-    assert launcher.run(["list"], listing) == 0
-    assert "specs in" in listing.read_text()
-    assert launcher.run(["run", "--suite=nope"], tmp_path / "bad.txt") != 0
-    assert "--suite='nope' is not a suite" in (tmp_path / "bad.txt").read_text()
-    common = ["run", "--suite=placements", "--world-sizes=2", "--profile=ci"]
+    common = RunConfig(suites=("placements",), world_sizes=(2,))
     select = ["-k", "redistribute_preserves"]
-    faulty = [*common, f"--out={tmp_path / 'faulty'}", "--", *select]
-    faulty.append("--distconf-faults=dtensor.partial_avg_as_sum,dtensor.partial_reduced_twice")
-    assert launcher.run(faulty, tmp_path / "faulty.txt") == 1
-    clean = [*common, f"--out={tmp_path / 'clean'}", "--", *select]
-    assert launcher.run(clean, tmp_path / "clean.txt") == 0  # nothing leaked from the other
+    faulty = replace(
+        common,
+        out=tmp_path / "faulty",
+        faults=("dtensor.partial_avg_as_sum", "dtensor.partial_reduced_twice"),
+    )
+    assert launcher.run(faulty, tmp_path / "faulty.txt", extra=select) == 1
+    assert "1 unexpected outcome(s)" in (tmp_path / "faulty.txt").read_text()
+    clean = replace(common, out=tmp_path / "clean")
+    assert launcher.run(clean, tmp_path / "clean.txt", extra=select) == 0  # nothing leaked

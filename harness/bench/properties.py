@@ -11,7 +11,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from harness import catalogue
+from harness import session
+from harness.config import RunConfig
 
 PROPERTIES = {
     "distribute": "test_placements.py::test_distribute_tensor_matches_model",
@@ -23,7 +24,6 @@ def bench_properties(
     world_size: int, examples: int, runner: str = "threads"
 ) -> list[dict[str, float]]:
     """Examples per second of each property in ``PROPERTIES`` at ``world_size``."""
-    import pytest
     from hypothesis import settings
 
     from harness.results import read_results
@@ -34,29 +34,15 @@ def bench_properties(
     rows = []
     for name, node in PROPERTIES.items():
         with tempfile.TemporaryDirectory() as out:
-            results = Path(out) / "results.jsonl"
-            code = pytest.main(
-                [
-                    str(catalogue.DEFAULT_SUITES / node),
-                    "-p",
-                    "harness.plugin",
-                    "-p",
-                    "no:cacheprovider",
-                    "-q",
-                    "--no-header",
-                    "-W",
-                    "ignore::pytest.PytestAssertRewriteWarning",
-                    f"--runner={runner}",
-                    f"--world-sizes={world_size}",
-                    "--hypothesis-profile=bench",
-                    f"--distconf-results={results}",
-                ]
+            run = RunConfig(
+                runner=runner, world_sizes=(world_size,), profile="bench", out=Path(out)
             )
+            code = session.run_pytest(run, tests=[node], extra=["--no-header"])
             if code != 0:
                 raise RuntimeError(
                     f"benchmark property {node} did not pass (pytest exit code {code})"
                 )
-            (record,) = read_results(results).tests
+            (record,) = read_results(Path(out) / session.RESULTS).tests
         rows.append(
             {
                 "property": name,

@@ -1,4 +1,4 @@
-"""Runs of ``python -m harness ...`` in processes forked from one that already imported torch.
+"""Conformance runs (``session.run``) in processes forked from one that already imported torch.
 
 ``mutate`` starts a process per run (a fault must never leak into another run), and a plain
 ``python -m harness run`` pays its imports again each time: torch and torch.distributed's
@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from harness.config import RunConfig
+
 PRELOAD = (
     "torch",
     "torch.distributed.tensor",
@@ -32,6 +34,7 @@ PRELOAD = (
     "harness.runners.threads",
     "harness.runners.processes",
     "harness.report",
+    "harness.session",
 )
 
 _context: Any = None
@@ -46,28 +49,27 @@ def _forkserver() -> Any:
     return _context
 
 
-def run(argv: Sequence[str], log: Path) -> int:
-    """``python -m harness *argv`` in a forked process, its output into ``log``; its exit
-    code (negative: the signal that ended it)."""
-    process = _forkserver().Process(target=_main, args=(list(argv), str(log)), name="distconf")
+def run(config: RunConfig, log: Path, *, extra: Sequence[str] = ()) -> int:
+    """``session.run(config)`` in a forked process, its output into ``log``; its exit code
+    (negative: the signal that ended it). ``extra``: more pytest arguments."""
+    process = _forkserver().Process(target=_main, args=(config, str(log), list(extra)))
     process.start()
     process.join()
     assert process.exitcode is not None
     return int(process.exitcode)
 
 
-def _main(argv: list[str], log: str) -> None:
+def _main(config: RunConfig, log: str, extra: list[str]) -> None:
     target = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(target, 1)
     os.dup2(target, 2)
     os.close(target)
-    sys.argv = [f"{sys.executable} -m harness", *argv]
-    from harness.cli import main
+    from harness import session
 
     try:
-        code = main(argv)
+        code = session.run(config, extra=extra)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -19,31 +19,18 @@ import json
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from harness import catalogue, faults
+from harness import catalogue, faults, session
+from harness.config import RunConfig
+from harness.errors import check_int
 from harness.mutation import launcher
 from harness.results import UNEXPECTED, read_results
 
 SCHEMA = 1
 CAUGHT = ("failed", "error", "timeout", "crashed", "xpassed")
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunConfig:
-    """What every run of one mutate command shares."""
-
-    runner: str
-    device: str
-    profile: str
-    world_sizes: str
-    rank_timeout: float
-    suites: tuple[str, ...]
-    """The suites to run (all when empty)."""
-    fault_files: tuple[str, ...] = ()
-    """Python files adding faults to the catalogue (``harness.faults.load_files``)."""
 
 
 @dataclass
@@ -99,40 +86,19 @@ def suite_phases(
     return [s for s in first if s in available], [s for s in available if s not in first]
 
 
-def detection_order(world_sizes: str) -> str:
+def detection_order(world_sizes: tuple[int, ...]) -> tuple[int, ...]:
     """``world_sizes`` with size 1 last: the plugin runs every test of a size before the
     next size, a distributed fault rarely shows on one rank, and a fault run stops at its
-    first failure (``"1,2,3,4"`` -> ``"2,3,4,1"``)."""
-    sizes = [s for s in world_sizes.split(",") if s]
-    return ",".join([s for s in sizes if s.strip() != "1"] + [s for s in sizes if s.strip() == "1"])
+    first failure (``(1, 2, 3, 4)`` -> ``(2, 3, 4, 1)``)."""
+    return tuple(s for s in world_sizes if s != 1) + tuple(s for s in world_sizes if s == 1)
 
 
-def _run_command(
-    config: RunConfig,
-    out: Path,
-    suites: Sequence[str],
-    extra: Sequence[str],
-    *,
-    world_sizes: str | None = None,
-) -> list[str]:
-    command = [
-        "run",
-        f"--runner={config.runner}",
-        f"--device={config.device}",
-        f"--profile={config.profile}",
-        f"--world-sizes={world_sizes or config.world_sizes}",
-        f"--rank-timeout={config.rank_timeout}",
-        f"--out={out}",
-    ]
-    command += [f"--suite={suite}" for suite in suites]
-    return [*command, "--", *extra]
-
-
-def _launch(command: list[str], log: Path) -> tuple[int, float]:
-    """``python -m harness *command`` in a process of its own; exit code and seconds."""
-    log.parent.mkdir(parents=True, exist_ok=True)
+def _launch(config: RunConfig) -> tuple[int, float]:
+    """``session.run(config)`` in a process of its own, its output in ``config.out/log.txt``;
+    exit code and seconds."""
+    config.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    code = launcher.run(command, log)
+    code = launcher.run(config, config.out / "log.txt")
     return code, time.perf_counter() - started
 
 
@@ -144,7 +110,7 @@ def _tests(out: Path) -> list[dict[str, Any]]:
 
 def clean_run(config: RunConfig, out: Path, suites: Sequence[str]) -> dict[str, Any]:
     """Run the suites without faults; report whether the run can anchor a score."""
-    code, seconds = _launch(_run_command(config, out, suites, ()), out / "log.txt")
+    code, seconds = _launch(replace(config, out=out, suites=tuple(suites)))
     tests = _tests(out)
     unexpected = [r for r in tests if r.get("status") in UNEXPECTED]
     return {
@@ -171,19 +137,18 @@ def fault_run(
     size 2 on, so one run of all suites would pass through every suite at size 1 first.
     ``cheap_first``: the clean run's results, so that within a world size the tests it
     timed fastest go first."""
-    extra: tuple[str, ...] = (f"--distconf-faults={fault.id}", "--exitfirst")
-    if cheap_first is not None:
-        extra += (f"--distconf-cheap-first={cheap_first}",)
-    if config.fault_files:
-        extra += (f"--distconf-fault-files={','.join(config.fault_files)}",)
+    faulty = replace(
+        config,
+        faults=(fault.id,),
+        exitfirst=True,
+        cheap_first=cheap_first,
+        world_sizes=detection_order(config.world_sizes),
+    )
     result = _uncaught(fault)
     tests: list[dict[str, Any]] = []
     for number, suites in enumerate((p for p in phases if p), start=1):
         where = out / f"phase-{number}"
-        command = _run_command(
-            config, where, suites, extra, world_sizes=detection_order(config.world_sizes)
-        )
-        code, seconds = _launch(command, where / "log.txt")
+        code, seconds = _launch(replace(faulty, out=where, suites=tuple(suites)))
         result.wall_seconds = round(result.wall_seconds + seconds, 1)
         found = _tests(where)
         if not found:
@@ -217,19 +182,17 @@ def _note_detection(result: FaultResult, tests: list[dict[str, Any]]) -> None:
             result.specs.append(record["spec"])
 
 
-def mutate(
-    config: RunConfig,
-    fault_ids: Sequence[str],
-    out: Path,
-    *,
-    jobs: int = 1,
-) -> Mutation:
-    """The clean run and every fault; ``out/mutation.json`` is kept current throughout."""
+def mutate(config: RunConfig, fault_ids: Sequence[str], *, jobs: int = 1) -> Mutation:
+    """The clean run and every fault, under ``config.out``; ``mutation.json`` there is kept
+    current throughout. ``config`` describes every run (its suites: all when empty)."""
+    check_int("jobs", jobs)
     faults.load_files(config.fault_files)
     selected = faults.select(fault_ids or list(faults.FAULTS))
     specs = catalogue.load()
+    out = config.out
     available = list(config.suites) or sorted({s.suite for s in specs.values()})
-    mutation = Mutation(config={**asdict(config), "faults": [f.id for f in selected], "jobs": jobs})
+    record = {**config.as_record(), "faults": [f.id for f in selected], "jobs": jobs}
+    mutation = Mutation(config=record)
     (out / "clean").mkdir(parents=True, exist_ok=True)
     table = out / "mutation.json"
     with ThreadPoolExecutor(max_workers=jobs) as pool:
@@ -324,6 +287,27 @@ def _row(result: FaultResult, width: int) -> str:
     )
     specs = ", ".join(result.specs) or result.problem or "-"
     return f"{result.fault:<{width}} {verdict:<9} {detect} {result.wall_seconds:>7.1f}s  {specs}"
+
+
+def command(config: RunConfig, fault_ids: Sequence[str], *, jobs: int) -> int:
+    """``python -m harness mutate``: score, table, report; 0 when every fault was caught, 1
+    when one survived, 2 when the clean run failed (the score is void)."""
+    result = mutate(config, fault_ids, jobs=jobs)
+    print_table(result)
+    table = config.out / "mutation.json"
+    if result.clean:
+        suite_runs = sorted(p for p in Path(result.clean["results"]).iterdir() if p.is_dir())
+        session.write_report(suite_runs, config.out / "report.html", table)
+    print(f"table: {table}")
+    caught, total = result.score
+    return 2 if result.void else int(caught < total)
+
+
+def print_catalogue() -> None:
+    """``mutate --list``: every fault of the catalogue (fault files loaded)."""
+    for fault in faults.FAULTS.values():
+        print(f"{fault.id}  [{fault.area}]\n    {fault.summary}\n    stands for: {fault.bug_class}")
+    print(f"{len(faults.FAULTS)} faults")
 
 
 def print_table(mutation: Mutation) -> None:

@@ -1,20 +1,24 @@
-"""What the plugin checks and marks at collection: spec markers against the catalogue, and
-known deviations (``specs/expectations``) applied to the tests they match."""
+"""What the plugin checks and marks at collection: spec markers against the catalogue, known
+deviations (``specs/expectations``) applied to the tests they match, and, asked to, the
+order of the tests within each World (the fastest of an earlier run first)."""
 
 from __future__ import annotations
 
 import inspect
 import warnings
 from collections.abc import Callable, Iterator
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from harness import catalogue, expectations
+from harness.plugin import options, state
+from harness.plugin.worlds import world_key
+from harness.results import read_results
 from harness.runners import WorldKey
 
-EXPECTATION_KEY = pytest.StashKey[dict[str, Any]]()
 Tests = dict[str, list[tuple[str, list[str]]]]
 """Per suite name: every test it defines, with the spec IDs it carries."""
 
@@ -93,7 +97,7 @@ def apply_expectations(
         entry = _expectation_for(item, entries, world_of(item), torch_version)
         if entry is not None:
             item.add_marker(expectations.marker_for(entry))
-            item.stash[EXPECTATION_KEY] = entry.as_record()
+            state.of(item).expectation = entry.as_record()
             used.add(entry.source)
     for entry in entries:
         if entry.source not in used and specs[entry.spec].suite in suites:
@@ -122,3 +126,74 @@ def _expectation_for(
         world_size=key.world_size,
         torch=torch_version,
     )
+
+
+def _is_suite_item(item: pytest.Item, suites: Path) -> bool:
+    return isinstance(item, pytest.Function) and item.path.resolve().is_relative_to(suites)
+
+
+def check_and_mark(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """For the suites among ``items``: every test carries one known spec ID and every active
+    spec is covered (else a usage error), and known deviations mark their tests."""
+    suites = options.suites_dir(config)
+    modules = {
+        item.path.stem.removeprefix("test_"): item.module
+        for item in items
+        if isinstance(item, pytest.Function) and _is_suite_item(item, suites)
+    }
+    if not modules:
+        return
+    specs = catalogue.load(options.catalogue_path(config))
+    tests = {suite: list(module_tests(module)) for suite, module in modules.items()}
+    found = problems(tests, specs, suites)
+    if found:
+        raise pytest.UsageError(
+            "distconf: suites and catalogue disagree:\n" + "\n".join(f"  - {p}" for p in found)
+        )
+    try:
+        apply_expectations(
+            items,
+            expectations.load(options.expectations_dir(config)),
+            specs,
+            set(modules),
+            world_of=world_key,
+            torch_version=metadata.version("torch"),
+        )
+    except expectations.ExpectationError as exc:
+        raise pytest.UsageError(f"distconf: {exc}") from None
+
+
+class CheapFirst:
+    """``--distconf-cheap-first``: within each World (pytest keeps the tests of a
+    session-scoped World together), the tests an earlier run timed fastest go first."""
+
+    def __init__(self, sources: str) -> None:
+        self.durations = _durations(sources)
+
+    @pytest.hookimpl(trylast=True)  # after pytest grouped the items by World
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        world_order = {key: i for i, key in enumerate(dict.fromkeys(map(world_key, items)))}
+        position = {id(item): i for i, item in enumerate(items)}
+        items.sort(
+            key=lambda item: (
+                world_order[world_key(item)],
+                self.durations.get(item.nodeid, float("inf")),
+                position[id(item)],
+            )
+        )
+
+
+def _durations(sources: str) -> dict[str, float]:
+    paths: list[Path] = []
+    for source in filter(None, sources.split(",")):
+        path = Path(source)
+        if not path.exists():
+            raise pytest.UsageError(
+                f"--distconf-cheap-first={source!r} must be a results file or a directory of them"
+            )
+        paths += sorted(path.glob("**/results*.jsonl")) if path.is_dir() else [path]
+    return {
+        record["nodeid"]: float(record.get("duration") or 0.0)
+        for path in paths
+        for record in read_results(path).tests
+    }

@@ -16,6 +16,11 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import pytest
+
+from harness.config import RunConfig
+from harness.errors import check_int, invalid
+
 SIMULATE = "DISTCONF_SIMULATED_GPUS"
 GPU_WORKERS = "gpu"
 
@@ -25,7 +30,7 @@ def _simulated(env: Mapping[str, str]) -> int | None:
     if value is None:
         return None
     if not value.isdigit():
-        raise ValueError(f"{SIMULATE}={value!r} must be a non-negative int")
+        raise invalid(SIMULATE, value, "a non-negative int")
     return int(value)
 
 
@@ -47,8 +52,7 @@ def visible_gpus(env: Mapping[str, str] = os.environ) -> list[str]:
 
 def plan_workers(gpus: list[str], per_worker: int) -> list[list[str]]:
     """Disjoint groups of ``per_worker`` GPUs, one per worker; leftover GPUs stay idle."""
-    if not isinstance(per_worker, int) or per_worker < 1:
-        raise ValueError(f"per_worker={per_worker!r} must be a positive int")
+    check_int("per_worker", per_worker)
     whole = len(gpus) - len(gpus) % per_worker
     return [gpus[i : i + per_worker] for i in range(0, whole, per_worker)]
 
@@ -58,7 +62,7 @@ def gpus_held(env: Mapping[str, str] = os.environ) -> int:
     return len(visible_gpus(env))
 
 
-def accept_gpu_workers(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+def _accepting_gpu(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """Wrap xdist's ``-n`` parser so that ``-n gpu`` parses (the plugin resolves it)."""
 
     def parse_numprocesses(value: str) -> Any:
@@ -72,9 +76,57 @@ def patch_numprocesses_option(actions: list[argparse.Action]) -> None:
     """Let xdist's ``-n`` accept ``gpu``; idempotent."""
     for action in actions:
         if action.dest == "numprocesses" and not getattr(action.type, "distconf", False):
-            action.type = accept_gpu_workers(action.type)  # type: ignore[arg-type]
+            action.type = _accepting_gpu(action.type)  # type: ignore[arg-type]
 
 
 def worker_specs(groups: list[list[str]]) -> list[str]:
     """execnet gateway specs that start each worker with its GPUs pinned."""
     return [f"popen//env:CUDA_VISIBLE_DEVICES={','.join(group)}" for group in groups]
+
+
+# --- the pytest side -----------------------------------------------------------------------
+
+
+def accept_gpu_workers(parser: pytest.Parser) -> None:
+    """Let xdist's ``-n`` take ``gpu``: pytest keeps each option's argparse action on its
+    Argument, and ``-n gpu`` must parse before xdist's own type conversion runs."""
+    actions = [option._action for group in parser._groups for option in group.options]
+    patch_numprocesses_option(actions)
+
+
+def resolve_workers(config: pytest.Config, run: RunConfig) -> None:
+    """Resolve ``-n gpu`` into one worker per disjoint GPU group, before xdist reads ``-n``."""
+    if getattr(config.option, "numprocesses", None) != GPU_WORKERS:
+        return
+    per_worker = config.getoption("distconf_gpus_per_worker") or _gpus_per_world(run)
+    groups = plan_workers(visible_gpus(), per_worker)
+    if not groups:
+        config.option.numprocesses = 0  # in-process; GPU tests skip and say why
+        return
+    config.option.numprocesses = None
+    config.option.tx = worker_specs(groups)
+    if config.option.dist == "no":
+        config.option.dist = "load"
+
+
+def _gpus_per_world(run: RunConfig) -> int:
+    """GPUs one World takes: a GPU per rank on the process runner, one shared by threads."""
+    if run.device != "cuda" or run.runner != "processes":
+        return 1
+    return max(run.world_sizes)
+
+
+def gpus_for_world(runner: str, world_size: int) -> int:
+    """GPUs a cuda World of ``world_size`` ranks needs in this process."""
+    return world_size if runner == "processes" else 1
+
+
+def require_gpus(config: pytest.Config, needed: int, what: str) -> None:
+    """Skip (or with ``--require-gpus`` fail) unless this process holds ``needed`` GPUs."""
+    held = gpus_held()
+    if held >= needed:
+        return
+    message = f"{what} needs {needed} GPU(s); this process holds {held}"
+    if config.getoption("distconf_require_gpus"):
+        pytest.fail(f"{message} (--require-gpus)", pytrace=False)
+    pytest.skip(message)

@@ -13,9 +13,10 @@ from harness.errors import (
     check_seconds,
     require,
 )
-from harness.runners.base import AllRanksSkipped, RankFailure, RankOutcome, World
+from harness.runners.base import DEFAULT_TIMEOUT, AllRanksSkipped, RankFailure, RankOutcome, World
 
 RUNNERS = ("threads", "processes")
+"""The runners; the first is the default."""
 
 
 class WorldKey(NamedTuple):
@@ -33,6 +34,7 @@ class WorldKey(NamedTuple):
 DEVICES = ("cpu", "cuda")
 
 __all__ = [
+    "DEFAULT_TIMEOUT",
     "DEVICES",
     "RUNNERS",
     "AllRanksSkipped",
@@ -69,7 +71,7 @@ def make_world(
     world_size: int,
     device: str = "cpu",
     *,
-    timeout: float = 60.0,
+    timeout: float = DEFAULT_TIMEOUT,
     strict_collectives: bool = False,
 ) -> World:
     """A new World; the caller closes it.
@@ -91,11 +93,11 @@ def make_world(
 
 @contextlib.contextmanager
 def open_world(
-    runner: str = "threads",
+    runner: str = RUNNERS[0],
     world_size: int = 2,
     device: str = "cpu",
     *,
-    timeout: float = 60.0,
+    timeout: float = DEFAULT_TIMEOUT,
     strict_collectives: bool = False,
 ) -> Iterator[World]:
     """A World for the ``with`` block; ``world.run(fn, *args)`` runs ``fn(ctx, *args)`` per rank."""
@@ -111,7 +113,9 @@ def open_world(
 class WorldCache:
     """Worlds kept for a session, one per runner × world size × device."""
 
-    def __init__(self, *, timeout: float = 60.0, strict_collectives: bool = False) -> None:
+    def __init__(
+        self, *, timeout: float = DEFAULT_TIMEOUT, strict_collectives: bool = False
+    ) -> None:
         self.timeout, self.strict_collectives = timeout, strict_collectives
         self._worlds: dict[WorldKey, World] = {}
 

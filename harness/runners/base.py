@@ -20,6 +20,10 @@ from harness.errors import DistconfError, check_seconds
 RankStatus: TypeAlias = Literal["ok", "error", "waiting", "timeout", "skipped", "crashed"]
 T = TypeVar("T")
 
+DEFAULT_TIMEOUT = 60.0
+"""Seconds one ``world.run`` call may take on every rank, unless the World is told otherwise
+(``harness.config.RunConfig.rank_timeout`` defaults to it)."""
+
 # After a call hung, later calls get at most this long until the next health check (the next
 # test): hypothesis re-runs a hanging example while it shrinks, and each re-run would
 # otherwise cost the full deadline.

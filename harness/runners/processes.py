@@ -33,7 +33,7 @@ from typing import Any
 from harness import faults
 from harness.errors import WorldStartError, invalid
 from harness.runners import _rank_process
-from harness.runners.base import RankOutcome
+from harness.runners.base import DEFAULT_TIMEOUT, RankOutcome
 from harness.runners.world import PersistentWorld
 
 RUNNER = "processes"
@@ -279,7 +279,7 @@ class ProcessWorld(PersistentWorld[_Pool]):
         world_size: int,
         device: str = "cpu",
         *,
-        timeout: float = 60.0,
+        timeout: float = DEFAULT_TIMEOUT,
         strict_collectives: bool = False,
     ) -> None:
         if device == "cuda":

@@ -32,6 +32,7 @@ from torch._C._distributed_c10d import HashStore
 from harness.errors import WorldStartError
 from harness.runners import _threaded_pg
 from harness.runners.base import (
+    DEFAULT_TIMEOUT,
     RankOutcome,
     error_outcome,
     is_skip,
@@ -214,7 +215,9 @@ class ThreadWorld(PersistentWorld[_Generation]):
     lacks = _threaded_pg.UNSUPPORTED
     _numbers = itertools.count()
 
-    def __init__(self, world_size: int, device: str = "cpu", *, timeout: float = 60.0) -> None:
+    def __init__(
+        self, world_size: int, device: str = "cpu", *, timeout: float = DEFAULT_TIMEOUT
+    ) -> None:
         _threaded_pg.install()
         internals.quiet_known_warnings()
         super().__init__(world_size, device, timeout=timeout)

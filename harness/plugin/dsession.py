@@ -1,0 +1,91 @@
+"""The plugin's session object: the one place its state lives, registered at configure time
+(as pytest-xdist registers its ``DSession``). Its hooks hand each concern to its module:
+``worlds`` (the Worlds tests run on), ``collection`` (spec checks, expectations, order),
+``recording`` (one results record per test)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from hypothesis import settings
+
+from harness.config import RunConfig
+from harness.plugin import collection, gpus, options, recording, state
+from harness.plugin.worlds import SessionWorlds
+from harness.results import ResultsWriter
+
+NAME = "distconf-session"
+
+
+class DistconfSession:
+    """What one pytest session of distconf holds: its run options, Worlds, injected faults
+    and results file."""
+
+    def __init__(self, config: pytest.Config, run: RunConfig, faults: list[str]) -> None:
+        self.config = config
+        self.run = run
+        self.faults = faults
+        self.worlds = SessionWorlds(run)
+        self.writer: ResultsWriter | None = None
+
+    # Not at configure time: hypothesis loads --hypothesis-profile in its own configure hook.
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        self.writer = recording.open_writer(self.config, self.run, self.faults)
+
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        self.worlds.close()
+        if self.writer is not None:
+            self.writer.close(exitstatus=int(exitstatus))
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        self.worlds.parametrize(metafunc)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(
+        self, config: pytest.Config, items: list[pytest.Item]
+    ) -> None:
+        collection.check_and_mark(config, items)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        """Hands the spec ID to pytest's JUnit XML, checks GPUs, and checks that the Worlds
+        the test reuses still answer (a World that does not rebuilds itself)."""
+        spec = item.get_closest_marker("spec")
+        if spec is not None and spec.args:
+            item.user_properties.append(("spec", str(spec.args[0])))
+        marker = item.get_closest_marker("gpus")
+        if marker is not None:
+            gpus.require_gpus(item.config, int(marker.args[0]), "this test")
+        self.worlds.check_before(item)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> Any:
+        return (yield from recording.observing(item))
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+        report: pytest.TestReport = yield
+        if self.writer is None:
+            return report
+        test = state.of(item)
+        test.phases[report.when] = (report, call.excinfo)
+        if report.when == "teardown":
+            self.writer.write_test(recording.record(item, self.run))
+        return report
+
+    def pytest_report_header(self, config: pytest.Config) -> str | None:
+        if not options.suites_dir(config).is_relative_to(config.rootpath):
+            return None  # not a distconf checkout: say nothing in other projects' runs
+        profile = settings.get_current_profile_name()
+        return (
+            f"distconf: runner={self.run.runner} world sizes={self.run.world_sizes_text} "
+            f"device={self.run.device} hypothesis profile={profile} ({time.strftime('%Y-%m-%d')})"
+        )
+
+
+def of(config: pytest.Config) -> DistconfSession:
+    session = config.pluginmanager.get_plugin(NAME)
+    assert isinstance(session, DistconfSession), "the distconf plugin was not configured"
+    return session

@@ -1,0 +1,166 @@
+"""The plugin's command-line options and ini keys, and the run options they make.
+
+Defaults come from ``harness.config.DEFAULTS``; ``run_config`` validates them in
+``RunConfig`` and turns a bad value into a usage error naming the option.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from harness import catalogue
+from harness.config import DEFAULTS, RunConfig, as_option, parse_world_sizes
+from harness.errors import InvalidArgument, check_one_of
+from harness.profiles import PROFILES, SEEDED
+from harness.runners import DEVICES, RUNNERS
+
+
+def add(parser: pytest.Parser) -> None:
+    group = parser.getgroup("distconf", "distconf conformance harness")
+    group.addoption(
+        "--runner",
+        dest="distconf_runner",
+        default=DEFAULTS.runner,
+        help=f"rank runner, one of {RUNNERS}",
+    )
+    group.addoption(
+        "--world-sizes",
+        dest="distconf_world_sizes",
+        default=DEFAULTS.world_sizes_text,
+        help="comma-separated world sizes to run every suite test at "
+        f"(default: {DEFAULTS.world_sizes_text})",
+    )
+    group.addoption(
+        "--device", dest="distconf_device", default=DEFAULTS.device, help=f"one of {DEVICES}"
+    )
+    group.addoption(
+        "--rank-timeout",
+        dest="distconf_rank_timeout",
+        type=float,
+        default=DEFAULTS.rank_timeout,
+        help=f"deadline in seconds of one world.run call (default: {DEFAULTS.rank_timeout:g})",
+    )
+    group.addoption(
+        "--strict-collectives",
+        dest="distconf_strict_collectives",
+        action="store_true",
+        help="process runner: check every collective's fingerprint across ranks "
+        "(TORCH_DISTRIBUTED_DEBUG=DETAIL); the thread runner always checks",
+    )
+    group.addoption("--distconf-results", default=None, help="write JSONL results to this file")
+    group.addoption(
+        "--distconf-profile",
+        dest="distconf_profile",
+        default=None,
+        help=f"hypothesis profile, one of {PROFILES}; 'report' draws and records a seed "
+        "when --hypothesis-seed is not given",
+    )
+    _add_gpu_options(group)
+    _add_mutation_options(group)
+    parser.addini("distconf_catalogue", "path of the spec catalogue", default=None)
+    parser.addini("distconf_suites", "directory holding the conformance suites", default=None)
+    parser.addini(
+        "distconf_expectations", "directory of known-deviation files (*.toml)", default=None
+    )
+
+
+def _add_gpu_options(group: pytest.OptionGroup) -> None:
+    group.addoption(
+        "--gpus-per-worker",
+        dest="distconf_gpus_per_worker",
+        type=int,
+        default=None,
+        help="with -n gpu: GPUs per xdist worker (default: the largest world size on the "
+        "process runner with --device cuda, else 1)",
+    )
+    group.addoption(
+        "--require-gpus",
+        dest="distconf_require_gpus",
+        action="store_true",
+        help="fail, instead of skip, tests that need more GPUs than this process holds "
+        "(a nightly GPU job must not skip everything silently)",
+    )
+
+
+def _add_mutation_options(group: pytest.OptionGroup) -> None:
+    group.addoption(
+        "--distconf-faults",
+        dest="distconf_faults",
+        default=None,
+        help="inject these faults (IDs of harness.faults, comma-separated; default: "
+        "$DISTCONF_FAULTS) for the whole session: a mutation run, not a conformance verdict",
+    )
+    group.addoption(
+        "--distconf-fault-files",
+        dest="distconf_fault_files",
+        default=None,
+        help="Python files defining FAULTS = (harness.faults.Fault, ...) to add to the fault "
+        "catalogue (comma-separated; default: $DISTCONF_FAULT_FILES)",
+    )
+    group.addoption(
+        "--distconf-cheap-first",
+        dest="distconf_cheap_first",
+        default=None,
+        help="results files or directories of an earlier run (comma-separated): within each "
+        "world size, run the tests it timed fastest first (tests it did not time keep their "
+        "place after them); with --exitfirst a failing run fails sooner",
+    )
+
+
+def run_config(config: pytest.Config) -> RunConfig:
+    """The Worlds' options as a validated RunConfig (the fields pytest's options do not set,
+    such as the output directory, keep their defaults); a bad value is a usage error."""
+    try:
+        return RunConfig(
+            runner=config.getoption("distconf_runner"),
+            world_sizes=parse_world_sizes(config.getoption("distconf_world_sizes")),
+            device=config.getoption("distconf_device"),
+            rank_timeout=config.getoption("distconf_rank_timeout"),
+            strict_collectives=config.getoption("distconf_strict_collectives"),
+        )
+    except InvalidArgument as exc:
+        raise pytest.UsageError(str(as_option(exc))) from None
+
+
+def choose_profile(config: pytest.Config) -> None:
+    """``--distconf-profile``: hand hypothesis its profile (and for 'report' a seed) before
+    hypothesis' own configure hook reads them."""
+    profile = config.getoption("distconf_profile")
+    if profile is None:
+        return
+    try:
+        check_one_of("--distconf-profile", profile, PROFILES)
+    except InvalidArgument as exc:
+        raise pytest.UsageError(str(exc)) from None
+    config.option.hypothesis_profile = profile
+    if profile in SEEDED and getattr(config.option, "hypothesis_seed", None) is None:
+        config.option.hypothesis_seed = random.randrange(2**32)
+
+
+def seed(config: pytest.Config) -> str | None:
+    """The hypothesis seed of the session, if one was given or drawn."""
+    value = config.getoption("hypothesis_seed", default=None)
+    return None if value is None else str(value)
+
+
+def _configured_path(config: pytest.Config, ini: str, default: Path) -> Path:
+    """An ini path relative to the rootdir, or ``default`` (distconf's own files)."""
+    configured = config.getini(ini)
+    return Path(config.rootpath, str(configured)).resolve() if configured else default
+
+
+def suites_dir(config: pytest.Config) -> Path:
+    return _configured_path(config, "distconf_suites", catalogue.DEFAULT_SUITES)
+
+
+def catalogue_path(config: pytest.Config) -> Path:
+    return _configured_path(config, "distconf_catalogue", catalogue.DEFAULT_PATH)
+
+
+def expectations_dir(config: pytest.Config) -> Path:
+    """Configured, or the ``expectations/`` beside the catalogue (deviations from its specs)."""
+    beside = catalogue_path(config).parent / "expectations"
+    return _configured_path(config, "distconf_expectations", beside)

@@ -1,0 +1,156 @@
+"""A conformance run: the one place distconf calls ``pytest.main`` for one.
+
+``run(config)`` is ``python -m harness run``: it runs the suites through pytest with the
+distconf plugin, prints a row per spec and writes the HTML report. Each of ``mutate``'s runs
+is ``run`` in a process of its own (``harness.mutation.launcher``); ``harness bench`` times
+properties through ``run_pytest``.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from harness import catalogue
+from harness.config import RunConfig, suite_paths
+from harness.errors import ReportError
+from harness.results import UNEXPECTED, is_unexpected, read_results
+
+RESULTS = "results.jsonl"
+"""The results file of a run under ``config.out`` (``results.gwN.jsonl`` per xdist worker)."""
+
+
+def pytest_arguments(
+    config: RunConfig, *, tests: Sequence[str] = (), extra: Sequence[str] = ()
+) -> list[str]:
+    """pytest's command line for ``config``; ``tests``: node IDs relative to the suites
+    directory, instead of the configured suites."""
+    selected = [str(catalogue.DEFAULT_SUITES / t) for t in tests] or map(str, suite_paths(config))
+    arguments = [
+        *selected,
+        "-p",
+        "harness.plugin",
+        f"--runner={config.runner}",
+        f"--world-sizes={config.world_sizes_text}",
+        f"--device={config.device}",
+        f"--rank-timeout={config.rank_timeout}",
+        # A backstop for a driver-side hang; ranks are bounded by --rank-timeout per call.
+        f"--timeout={config.test_timeout}",
+        f"--hypothesis-profile={config.profile}",
+        f"--distconf-results={config.out / RESULTS}",
+        "-p",
+        "no:cacheprovider",
+        # harness is imported before pytest starts; its modules need no assertion rewriting.
+        "-W",
+        "ignore::pytest.PytestAssertRewriteWarning",
+        "-q",
+    ]
+    if config.seed is not None:
+        arguments += ["--hypothesis-seed", str(config.seed)]
+    if config.junit is not None:
+        arguments += [f"--junitxml={config.junit}", "-o", "junit_family=xunit2"]
+    if config.strict_collectives:
+        arguments.append("--strict-collectives")
+    if config.faults:
+        arguments.append(f"--distconf-faults={','.join(config.faults)}")
+    if config.fault_files:
+        arguments.append(f"--distconf-fault-files={','.join(config.fault_files)}")
+    if config.cheap_first is not None:
+        arguments.append(f"--distconf-cheap-first={config.cheap_first}")
+    if config.exitfirst:
+        arguments.append("--exitfirst")
+    return [*arguments, *extra]
+
+
+def run_pytest(config: RunConfig, *, tests: Sequence[str] = (), extra: Sequence[str] = ()) -> int:
+    """pytest over the suites as ``config`` says; its exit code."""
+    import pytest
+
+    return int(pytest.main(pytest_arguments(config, tests=tests, extra=extra)))
+
+
+def with_seed(config: RunConfig) -> RunConfig:
+    """A random profile's run must still be reproducible: draw a seed and say it."""
+    if config.seed is not None or config.profile == "ci":
+        return config
+    seed = random.randrange(2**32)
+    print(f"distconf: hypothesis seed {seed} (reproduce with --seed {seed})")
+    return replace(config, seed=seed)
+
+
+def run(config: RunConfig, *, extra: Sequence[str] = ()) -> int:
+    """``python -m harness run``: the suites, a row per spec, ``report.html``; the exit code
+    (non-zero on any unexpected outcome, or when the run wrote no results)."""
+    config = with_seed(config)
+    for stale in config.out.glob("results*.jsonl"):  # never summarise an earlier run's records
+        stale.unlink()
+    exit_code = run_pytest(config, extra=extra)
+    files = sorted(config.out.glob("results*.jsonl"))
+    if not files:
+        print(
+            f"error: no results were written to {config.out / RESULTS} "
+            f"(pytest exit code {exit_code})",
+            file=sys.stderr,
+        )
+        return exit_code or 3
+    unexpected = summarise(files)
+    report_code = write_report(files, config.out / "report.html")
+    if exit_code == 0 and (unexpected or report_code):
+        return 1
+    return exit_code
+
+
+def write_report(files: list[Path], html: Path, mutation_table: Path | None = None) -> int:
+    """Render ``files`` into ``html``; 0, or 1 with the reason printed when it cannot."""
+    from harness.report import render_report
+
+    try:
+        render_report(files, html, mutation_table=mutation_table)
+    except ReportError as exc:
+        print(f"error: no report: {exc}", file=sys.stderr)
+        return 1
+    print(f"report: {html}")
+    return 0
+
+
+def summarise(paths: list[Path]) -> int:
+    """Print a row per spec (status per world size); return the number of unexpected outcomes."""
+    read = {path: read_results(path) for path in paths}
+    tests = [record for results in read.values() for record in results.tests]
+    rows: dict[str, dict[Any, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for record in tests:
+        rows[record.get("spec") or "(no spec)"][record.get("world_size")].append(record)
+    sizes = sorted({r.get("world_size") for r in tests}, key=lambda s: (s is None, s))
+    print(f"\ndistconf results: {', '.join(map(str, paths))}")
+    header = (
+        f"{'spec':<48}"
+        + "".join(f"{'ws' + str(s):>16}" for s in sizes)
+        + f"{'examples':>10}{'seconds':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    unexpected = 0
+    for spec in sorted(rows):
+        cells, examples, seconds = [], 0, 0.0
+        for size in sizes:
+            records = rows[spec].get(size, [])
+            statuses = sorted(
+                {r["status"] for r in records}, key=lambda s: (s not in UNEXPECTED, s)
+            )
+            unexpected += sum(is_unexpected(r) for r in records)
+            examples += sum(r.get("examples") or 0 for r in records)
+            seconds += sum(r.get("duration") or 0.0 for r in records)
+            cells.append("+".join(statuses) or "-")
+        print(f"{spec:<48}" + "".join(f"{c:>16}" for c in cells) + f"{examples:>10}{seconds:>9.1f}")
+    for path, results in read.items():
+        if results.bad_lines:
+            print(f"warning: unreadable lines in {path}: {results.bad_lines}")
+        if results.end is None:
+            print(f"warning: {path} has no end record: the run did not finish, results are partial")
+    print(f"{unexpected} unexpected outcome(s)")
+    return unexpected
