@@ -15,6 +15,7 @@ from harness.strategies import (
     distribute_cases,
     extremum_to_shard_cases,
     flatten_empty_cases,
+    matmul_empty_batch_cases,
     op_cases,
     partial_sum_integer_cases,
     partial_target_cases,
@@ -198,6 +199,17 @@ def _known(placements: tuple[Placement | str, ...]) -> tuple[Placement, ...]:
 @given(data=st.data())
 def test_scan_along_a_dim_counted_from_the_back(world: World, data: st.DataObject) -> None:
     case = data.draw(scan_negative_dim_cases(world.world_size), label="case")
+    parity.attach(case.call())
+    (expected,) = op_on_one_device(case, world.device)
+    for (view,) in world.run(op_on_rank, case):
+        _assert_op_result(view, expected, case, 0)
+
+
+@pytest.mark.spec("placements.ops.matmul_empty_batch")
+@PROPERTY
+@given(data=st.data())
+def test_matmul_with_an_empty_sharded_batch_dim(world: World, data: st.DataObject) -> None:
+    case = data.draw(matmul_empty_batch_cases(world.world_size), label="case")
     parity.attach(case.call())
     (expected,) = op_on_one_device(case, world.device)
     for (view,) in world.run(op_on_rank, case):

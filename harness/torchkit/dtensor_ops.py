@@ -34,6 +34,10 @@ class Op:
     than the group's first (f64[1, 5, 2] Shard(1) on 3 ranks). Not yet specced on its own."""
     negative_dims: bool = True
     """``dim`` may be drawn counted from the back (``d - ndim``)."""
+    batched: bool = False
+    """Folds the batch dims of a tensor of 3 or more dims through a view (matmul): drawn only
+    where no batch dim of size 0 is sharded, which torch 2.13's view rule refuses (spec
+    placements.ops.matmul_empty_batch checks that case on its own)."""
 
 
 def _matmul(t: torch.Tensor, dim: int, keepdim: bool) -> torch.Tensor:
@@ -75,7 +79,7 @@ OPS: dict[str, Op] = {
     "flatten": Op(lambda t, d, k: t.flatten(), unsharded_only=True, nonempty=True),
     "unsqueeze": Op(lambda t, d, k: t.unsqueeze(d), min_ndim=1, needs_dim=True),
     "cat": Op(lambda t, d, k: torch.cat([t, t], d), min_ndim=1, needs_dim=True),
-    "matmul": Op(_matmul, min_ndim=1),
+    "matmul": Op(_matmul, min_ndim=1, batched=True),
 }
 
 
