@@ -60,3 +60,20 @@ def _parse(entry: dict[str, object], index: int, path: Path) -> Spec:
         require(words, "id", spec_id, "dotted lower_snake_case words")
         require(parts[0] == area, "id", spec_id, f"prefixed by its area {area!r}")
     return Spec(**{f: str(entry[f]) for f in _FIELDS})
+
+
+def describe(specs: dict[str, Spec]) -> str:
+    """The catalogue as ``python -m harness list`` prints it: by area, each spec's ID, status,
+    suite, statement and provenance."""
+    by_area: dict[str, list[Spec]] = {}
+    for spec in specs.values():
+        by_area.setdefault(spec.area, []).append(spec)
+    lines = []
+    for area, entries in by_area.items():
+        lines.append(area)
+        for spec in entries:
+            lines.append(f"  {spec.id}  [{spec.status}, suite {spec.suite}]")
+            lines.append(f"      {spec.statement}")
+            lines.append(f"      from: {spec.provenance}")
+    lines.append(f"{len(specs)} specs in {len(by_area)} areas")
+    return "\n".join(lines)

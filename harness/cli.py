@@ -2,63 +2,78 @@
 
 Argument parsing and dispatch only: ``run`` is ``harness.session.run``, ``mutate`` is
 ``harness.mutation.mutate.command``, ``report`` is ``harness.report.render_report``, ``bench``
-is ``harness.bench.main``. A value an option does not accept is refused before anything
-runs: ``error: --option=value must be ...`` and exit code 2.
+is ``harness.bench.main``. A value an option does not accept, or an input that cannot be
+read, is refused before anything runs: ``error: --option=value must be ...`` and exit code 4
+(pytest's usage error, which a run's bad pytest options give too).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
-from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from harness import catalogue
 from harness.config import DEFAULTS, RunConfig, as_option, parse_world_sizes, split_names
-from harness.errors import DistconfError, InvalidArgument
+from harness.errors import (
+    CatalogueError,
+    ExpectationError,
+    FaultError,
+    InvalidArgument,
+    ReportError,
+    check_int,
+)
+from harness.mutation.mutate import DEFAULT_OUT
 from harness.profiles import PROFILES
 from harness.runners import DEVICES, RUNNERS
 
-USAGE_ERROR = 2
+USAGE_ERROR = 4
+_REFUSED = (InvalidArgument, FaultError, ReportError, CatalogueError, ExpectationError)
+"""Errors in what the user gave (options, fault files, results, catalogue): a usage error."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, refusing a malformed command line with distconf's usage-error code."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message}\n")
 
 
 def _run(args: argparse.Namespace) -> int:
     from harness import session
 
-    return session.run(_config(args, junit=args.junit), extra=args.pytest_args)
+    junit = Path(args.junit) if args.junit else None
+    return session.run(_config(args, junit=junit), extra=args.pytest_args)
 
 
 def _config(args: argparse.Namespace, **more: Any) -> RunConfig:
-    """The run options of ``run`` and ``mutate`` as a validated RunConfig."""
-    return RunConfig(
-        runner=args.runner,
-        world_sizes=parse_world_sizes(args.world_sizes),
-        device=args.device,
-        rank_timeout=args.rank_timeout,
-        test_timeout=args.test_timeout,
-        profile=args.profile,
-        seed=args.seed,
-        suites=split_names(args.suite),
-        out=Path(args.out),
-        **{k: v for k, v in more.items() if v is not None},
-    )
+    """The run options of ``run`` and ``mutate`` as a validated RunConfig; a refused value is
+    named as its option (``--world-sizes``)."""
+    try:
+        return RunConfig(
+            runner=args.runner,
+            world_sizes=parse_world_sizes(args.world_sizes),
+            device=args.device,
+            rank_timeout=args.rank_timeout,
+            test_timeout=args.test_timeout,
+            profile=args.profile,
+            seed=args.seed,
+            suites=split_names(args.suite),
+            out=Path(args.out),
+            **{k: v for k, v in more.items() if v is not None},
+        )
+    except InvalidArgument as exc:
+        raise as_option(exc) from None
 
 
 def _list(args: argparse.Namespace) -> int:
-    specs = catalogue.load(Path(args.catalogue) if args.catalogue else catalogue.DEFAULT_PATH)
-    by_area: dict[str, list[catalogue.Spec]] = defaultdict(list)
-    for spec in specs.values():
-        by_area[spec.area].append(spec)
-    for area, entries in by_area.items():
-        print(f"{area}")
-        for spec in entries:
-            print(f"  {spec.id}  [{spec.status}, suite {spec.suite}]")
-            print(f"      {spec.statement}")
-            print(f"      from: {spec.provenance}")
-    print(f"{len(specs)} specs in {len(by_area)} areas")
+    path = Path(args.catalogue) if args.catalogue else catalogue.DEFAULT_PATH
+    print(catalogue.describe(catalogue.load(path)))
     return 0
 
 
@@ -82,12 +97,26 @@ def _mutate(args: argparse.Namespace) -> int:
     from harness.mutation import mutate
 
     fault_files = tuple(str(Path(f).resolve()) for f in split_names(args.fault_file))
-    faults.load_files(fault_files)
+    with _named("--fault-file"):
+        faults.load_files(fault_files)
     if args.list:
         mutate.print_catalogue()
         return 0
     config = _config(args, fault_files=fault_files)
-    return mutate.command(config, split_names(args.faults), jobs=args.jobs)
+    fault_ids = split_names(args.faults)
+    with _named("--faults"):
+        faults.select(fault_ids)
+    check_int("--jobs", args.jobs)
+    return mutate.command(config, fault_ids, jobs=args.jobs)
+
+
+@contextlib.contextmanager
+def _named(option: str) -> Iterator[None]:
+    """A ``FaultError`` in the block names the option its input came from."""
+    try:
+        yield
+    except FaultError as exc:
+        raise FaultError(f"{option}: {exc}") from None
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -99,7 +128,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m harness", description=__doc__)
+    parser = _Parser(prog="python -m harness", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run the conformance suites")
     _add_run_options(run, out=DEFAULTS.out)
@@ -186,7 +215,7 @@ def _add_mutate(commands: Any) -> None:
         help="a Python file defining FAULTS = (harness.faults.Fault, ...): adds its faults to "
         "the catalogue (repeatable)",
     )
-    _add_run_options(mutate, out=Path("reports", "mutate"))
+    _add_run_options(mutate, out=DEFAULT_OUT)
     mutate.add_argument(
         "--jobs",
         type=int,
@@ -219,8 +248,6 @@ def main(argv: list[str] | None = None) -> int:
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         return int(handler(args))
-    except InvalidArgument as exc:
-        print(f"error: {as_option(exc)}", file=sys.stderr)
-    except DistconfError as exc:
+    except _REFUSED as exc:
         print(f"error: {exc}", file=sys.stderr)
     return USAGE_ERROR

@@ -10,14 +10,14 @@ is started, written or deleted.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, fields
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from harness import catalogue
 from harness.errors import (
     InvalidArgument,
-    check_int,
     check_one_of,
     check_seconds,
     invalid,
@@ -34,11 +34,12 @@ class RunConfig:
     runner: str = RUNNERS[0]
     world_sizes: tuple[int, ...] = (1, 2, 3, 4)
     """Every suite test runs once per size (that its ``world_size`` marker allows)."""
-    device: str = "cpu"
+    device: str = DEVICES[0]
     rank_timeout: float = DEFAULT_TIMEOUT
     """Seconds one ``world.run`` call may take on every rank."""
     test_timeout: float = 1800.0
-    """Seconds one test may take in the driver: a backstop for a hang outside the ranks."""
+    """Seconds one test may take in the driver: a backstop for a hang outside the ranks
+    (pytest-timeout; 0: none)."""
     strict_collectives: bool = False
     """Process runner: check every collective's fingerprint across ranks."""
     profile: str = "ci"
@@ -50,12 +51,14 @@ class RunConfig:
     out: Path = Path("reports", "latest")
     """Where the results files, the report and (for ``mutate``) the logs go."""
     junit: Path | None = None
+    """Also write JUnit XML here."""
     faults: tuple[str, ...] = ()
     """Fault IDs injected for the whole run (``harness.faults``): a mutation run."""
     fault_files: tuple[str, ...] = ()
     """Python files adding faults to the catalogue."""
-    cheap_first: Path | None = None
-    """Results of an earlier run: within each World, the tests it timed fastest go first."""
+    cheap_first: tuple[Path, ...] = ()
+    """Results (files or directories) of an earlier run: within each World, the tests it
+    timed fastest go first."""
     exitfirst: bool = False
     """Stop at the first failing test (a fault run needs only one)."""
 
@@ -64,34 +67,44 @@ class RunConfig:
         check_world_sizes("world_sizes", self.world_sizes)
         check_one_of("device", self.device, DEVICES)
         check_seconds("rank_timeout", self.rank_timeout)
-        check_seconds("test_timeout", self.test_timeout)
+        _check_backstop("test_timeout", self.test_timeout)
         _check_profile(self.profile)
-        if self.seed is not None:
-            check_int("seed", self.seed, minimum=0)
+        is_int = isinstance(self.seed, int) and not isinstance(self.seed, bool)
+        require(self.seed is None or is_int, "seed", self.seed, "an int or None")
         for suite in self.suites:
             check_one_of("suite", suite, available_suites())
         require(isinstance(self.out, Path), "out", self.out, "a pathlib.Path")
+        require(self.junit is None or isinstance(self.junit, Path), "junit", self.junit, _PATH)
+        for name in ("faults", "fault_files"):
+            values = getattr(self, name)
+            ok = isinstance(values, tuple) and all(isinstance(v, str) and v for v in values)
+            require(ok, name, values, "a tuple of non-empty strings")
+        for path in self.cheap_first:
+            require(path.exists(), "cheap_first", str(path), "a results file or a directory")
 
     @property
     def world_sizes_text(self) -> str:
         """``(1, 2, 3)`` -> ``"1,2,3"``: how the options spell it."""
         return ",".join(map(str, self.world_sizes))
 
-    def as_record(self) -> dict[str, Any]:
-        """The fields as JSON values (paths as strings, tuples as lists)."""
-        return {field.name: _json_value(getattr(self, field.name)) for field in fields(self)}
+
+_PATH = "a pathlib.Path or None"
 
 
-def _json_value(value: object) -> object:
-    if isinstance(value, Path):
-        return str(value)
-    return list(value) if isinstance(value, tuple) else value
-
-
-def as_option(error: InvalidArgument) -> InvalidArgument:
+def as_option(error: InvalidArgument, spelled: Mapping[str, str] | None = None) -> InvalidArgument:
     """A complaint about a field as the command line and pytest spell its option
-    (``world_sizes='0' must be ...`` -> ``--world-sizes='0' must be ...``)."""
-    return error.renamed("--" + error.name.replace("_", "-")) if error.name else error
+    (``world_sizes='0' must be ...`` -> ``--world-sizes='0' must be ...``); ``spelled``
+    names the options that are not ``--`` and the field's name with dashes."""
+    if error.name is None:
+        return error
+    option = (spelled or {}).get(error.name, "--" + error.name.replace("_", "-"))
+    return error.renamed(option)
+
+
+def _check_backstop(name: str, value: object) -> None:
+    is_number = isinstance(value, int | float) and not isinstance(value, bool)
+    ok = is_number and 0 <= value < math.inf  # type: ignore[operator]
+    require(ok, name, value, "a finite number of seconds >= 0 (0: none)")
 
 
 def _check_profile(name: str) -> None:

@@ -5,24 +5,30 @@
   which hypothesis loads by itself when it detects CI; distconf does not replace it for every
   project the plugin is installed in.
 - ``nightly``: 1000 examples, random.
-- ``report``: 200 examples, reproducible from the seed recorded with the results (runs with
-  ``--distconf-profile report`` or ``harness run --profile report`` always get an explicit
-  seed), no database replaying old failures.
+- ``report``: 200 examples, reproducible from the seed recorded with the results, no
+  database replaying old failures.
+
+A run under a random profile (every one but ``ci``) without a seed gets one drawn and
+recorded (``needs_seed``), so that any run can be repeated.
 """
 
 from __future__ import annotations
 
 from hypothesis import Phase, settings
 
-from harness.errors import require
+from harness.errors import check_int
 
 PROFILES = ("dev", "ci", "nightly", "report")
-SEEDED = ("report",)
-"""Profiles that must run with an explicit, recorded seed."""
 
 settings.register_profile("dev", max_examples=10, deadline=None)
 settings.register_profile("nightly", max_examples=1000, deadline=None)
 settings.register_profile("report", max_examples=200, database=None, deadline=None)
+
+
+def needs_seed(profile: str) -> bool:
+    """Whether a run under ``profile`` must draw (and record) a seed to be repeatable: the
+    profile draws at random."""
+    return not settings.get_profile(profile).derandomize
 
 
 def property_settings() -> settings:
@@ -41,8 +47,7 @@ def costly(cost: int) -> settings:
     example's: the loaded profile's example budget buys ``1/cost`` of the examples (at least
     2), so a profile bounds the time of a run rather than its example count. No per-example
     deadline: World.run enforces its own (the first example of a World builds it)."""
-    valid = isinstance(cost, int) and not isinstance(cost, bool) and cost >= 1
-    require(valid, "cost", cost, "an int >= 1")
+    check_int("cost", cost)
     budget = settings.default.max_examples if settings.default else 100
     return settings(deadline=None, max_examples=max(2, budget // cost))
 

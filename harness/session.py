@@ -19,6 +19,7 @@ from typing import Any
 from harness import catalogue
 from harness.config import RunConfig, suite_paths
 from harness.errors import ReportError
+from harness.profiles import needs_seed
 from harness.results import UNEXPECTED, is_unexpected, read_results
 
 RESULTS = "results.jsonl"
@@ -60,8 +61,8 @@ def pytest_arguments(
         arguments.append(f"--distconf-faults={','.join(config.faults)}")
     if config.fault_files:
         arguments.append(f"--distconf-fault-files={','.join(config.fault_files)}")
-    if config.cheap_first is not None:
-        arguments.append(f"--distconf-cheap-first={config.cheap_first}")
+    if config.cheap_first:
+        arguments.append(f"--distconf-cheap-first={','.join(map(str, config.cheap_first))}")
     if config.exitfirst:
         arguments.append("--exitfirst")
     return [*arguments, *extra]
@@ -76,7 +77,7 @@ def run_pytest(config: RunConfig, *, tests: Sequence[str] = (), extra: Sequence[
 
 def with_seed(config: RunConfig) -> RunConfig:
     """A random profile's run must still be reproducible: draw a seed and say it."""
-    if config.seed is not None or config.profile == "ci":
+    if config.seed is not None or not needs_seed(config.profile):
         return config
     seed = random.randrange(2**32)
     print(f"distconf: hypothesis seed {seed} (reproduce with --seed {seed})")

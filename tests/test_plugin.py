@@ -126,7 +126,7 @@ def test_cheap_first_runs_an_earlier_runs_fastest_tests_first_within_each_world(
     missing = project.runpytest_subprocess("-p", "no:cacheprovider", "--distconf-cheap-first=nope")
     assert missing.ret == pytest.ExitCode.USAGE_ERROR
     missing.stderr.fnmatch_lines(
-        ["*--distconf-cheap-first='nope' must be a results file or a directory of them*"]
+        ["*--distconf-cheap-first='nope' must be a results file or a directory*"]
     )
 
 

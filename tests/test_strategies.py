@@ -142,5 +142,5 @@ def test_costly_properties_buy_a_share_of_the_profiles_examples():
     assert costly(4).max_examples == max(2, budget // 4)
     assert costly(10**6).max_examples == 2
     assert costly(4).deadline is None
-    with pytest.raises(ValueError, match=r"cost=0 must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"cost=0 must be a positive int"):
         costly(0)

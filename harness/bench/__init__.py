@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from harness.bench import overhead, properties
+from harness.errors import check_int
 
 
 def run_properties(world_size: int, examples: int, runner: str) -> dict[str, Any]:
@@ -56,6 +57,9 @@ def run_overhead(world_sizes: list[int], calls: int, trials: int) -> list[dict[s
 def main(
     what: str, world_size: int, examples: int, calls: int, trials: int, runner: str, as_json: bool
 ) -> int:
+    check_int("world_size", world_size)
+    for name, value in (("examples", examples), ("calls", calls), ("trials", trials)):
+        check_int(name, value)
     report: dict[str, Any] = {}
     if what in ("properties", "all"):
         report["properties"] = run_properties(world_size, examples, runner)

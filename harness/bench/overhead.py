@@ -28,7 +28,9 @@ def trivial(ctx: RankContext) -> None:
 
 
 def placement(ctx: RankContext, case: DistributeCase) -> None:
-    """The rank side of the distribute property (suites/test_placements.py) for one case."""
+    """The rank side of the distribute property (suites/test_placements.py) for one case:
+    what ``suites.checks.dtensor.distribute_on_rank`` does, written here because nothing
+    under ``harness`` imports ``suites``."""
     view_of(distribute(ctx, case), ctx.rank)
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from harness.errors import check_one_of, require
+from harness.errors import check_int, check_one_of, require
 from specs.placements import Partial, Placement
 
 DTYPES = ("float32", "float64", "bfloat16", "int64")
@@ -31,7 +31,7 @@ def integer_array(shape: tuple[int, ...], seed: int, *, multiple_of: int = 1) ->
     in every dtype the cases use, so placement properties can compare exactly. The array is
     read-only and memoised: every rank thread and the driver ask for the same one.
     """
-    require(multiple_of >= 1, "multiple_of", multiple_of, "a positive int")
+    check_int("multiple_of", multiple_of)
     bound = max(0, _MAX_MAGNITUDE // multiple_of)
     rng = np.random.default_rng(seed)
     values = rng.integers(-bound, bound + 1, size=shape) * multiple_of

@@ -7,8 +7,8 @@ split into one run per suite and N runs go at once, clean suites first: a fault 
 would start after a clean suite failed is not started. A fault run starts with the suites of
 the fault's area and stops at the first failure: the fault is *caught* by the spec that
 failed, after the time and the number of examples the record says, with the shrunk
-counterexample hypothesis printed. Every run is a ``python -m harness run`` process of its
-own (forked from one that already imported torch: ``harness.mutation.launcher``) with its own
+counterexample hypothesis printed. Every run is a ``session.run`` in a process of its own
+(forked from one that already imported torch: ``harness.mutation.launcher``) with its own
 results directory, so a fault can never leak into another run, and
 ``mutation.json`` is rewritten after every run: an interrupted command keeps what it measured.
 """
@@ -30,6 +30,7 @@ from harness.mutation import launcher
 from harness.results import UNEXPECTED, read_results
 
 SCHEMA = 1
+DEFAULT_OUT = Path("reports", "mutate")
 CAUGHT = ("failed", "error", "timeout", "crashed", "xpassed")
 
 
@@ -128,7 +129,7 @@ def fault_run(
     out: Path,
     phases: Sequence[Sequence[str]],
     *,
-    cheap_first: Path | None = None,
+    cheap_first: tuple[Path, ...] = (),
 ) -> FaultResult:
     """Run each phase's suites with ``fault`` injected, stopping at the first failure.
 
@@ -191,8 +192,7 @@ def mutate(config: RunConfig, fault_ids: Sequence[str], *, jobs: int = 1) -> Mut
     specs = catalogue.load()
     out = config.out
     available = list(config.suites) or sorted({s.suite for s in specs.values()})
-    record = {**config.as_record(), "faults": [f.id for f in selected], "jobs": jobs}
-    mutation = Mutation(config=record)
+    mutation = Mutation(config=_config_record(config, selected, jobs))
     (out / "clean").mkdir(parents=True, exist_ok=True)
     table = out / "mutation.json"
     with ThreadPoolExecutor(max_workers=jobs) as pool:
@@ -208,7 +208,7 @@ def mutate(config: RunConfig, fault_ids: Sequence[str], *, jobs: int = 1) -> Mut
                 return result
             phases = suite_phases(fault.area, available, specs)
             return fault_run(
-                fault, config, out / "faults" / fault.id, phases, cheap_first=out / "clean"
+                fault, config, out / "faults" / fault.id, phases, cheap_first=(out / "clean",)
             )
 
         width = _fault_width(fault.id for fault in selected)
@@ -289,9 +289,26 @@ def _row(result: FaultResult, width: int) -> str:
     return f"{result.fault:<{width}} {verdict:<9} {detect} {result.wall_seconds:>7.1f}s  {specs}"
 
 
+def _config_record(config: RunConfig, selected: list[faults.Fault], jobs: int) -> dict[str, Any]:
+    """What ``mutation.json`` says of the runs (its schema 1: world sizes as the option
+    spells them)."""
+    return {
+        "runner": config.runner,
+        "device": config.device,
+        "profile": config.profile,
+        "world_sizes": config.world_sizes_text,
+        "rank_timeout": config.rank_timeout,
+        "suites": list(config.suites),
+        "fault_files": list(config.fault_files),
+        "faults": [fault.id for fault in selected],
+        "jobs": jobs,
+    }
+
+
 def command(config: RunConfig, fault_ids: Sequence[str], *, jobs: int) -> int:
     """``python -m harness mutate``: score, table, report; 0 when every fault was caught, 1
-    when one survived, 2 when the clean run failed (the score is void)."""
+    when one survived, 2 when the clean run failed (the score is void). (A command refused
+    before anything ran exits with ``cli.USAGE_ERROR``, 4.)"""
     result = mutate(config, fault_ids, jobs=jobs)
     print_table(result)
     table = config.out / "mutation.json"

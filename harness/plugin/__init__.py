@@ -11,16 +11,16 @@ under the suites directory nor ask for the ``world`` fixture.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from harness.plugin import collection, gpus, options
+from harness.config import RunConfig
+from harness.plugin import collection, dsession, gpus, options
 from harness.plugin.dsession import DistconfSession
-from harness.plugin.dsession import of as _session_of
 from harness.runners import World, Worlds
 
-_parsers: list[pytest.Parser] = []  # to patch xdist's "-n" when it registers after us
+# The parsers this plugin added its options to: xdist may register after it, and the hook
+# that says so receives no parser.
+_parsers: list[pytest.Parser] = []
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -38,8 +38,7 @@ def pytest_plugin_registered(plugin: object, manager: pytest.PytestPluginManager
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> None:
     options.choose_profile(config)
-    if getattr(config.option, "numprocesses", None) == gpus.GPU_WORKERS:
-        gpus.resolve_workers(config, options.run_config(config))
+    gpus.resolve_workers(config)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -53,34 +52,30 @@ def pytest_configure(config: pytest.Config) -> None:
         "world_size(*sizes, min=None, max=None): world sizes this test can run at",
     )
     run = options.run_config(config)
-    session = DistconfSession(config, run, _inject_faults(config))
-    config.pluginmanager.register(session, "distconf-session")
-    sources = config.getoption("distconf_cheap_first")
-    if sources:
-        config.pluginmanager.register(collection.CheapFirst(sources), "distconf-cheap-first")
+    _inject_faults(config, run)
+    config.pluginmanager.register(DistconfSession(config, run), dsession.NAME)
+    if run.cheap_first:
+        config.pluginmanager.register(
+            collection.CheapFirst(run.cheap_first), "distconf-cheap-first"
+        )
 
 
-def _inject_faults(config: pytest.Config) -> list[str]:
-    """Apply ``--distconf-faults`` for the session (undone at its end); the IDs applied."""
+def _inject_faults(config: pytest.Config, run: RunConfig) -> None:
+    """Apply the run's faults for the session (undone at its end)."""
+    if not run.faults:
+        return
     from harness import faults
 
-    ids = faults.parse(config.getoption("distconf_faults") or os.environ.get(faults.ENV_VAR))
-    files = faults.parse(
-        config.getoption("distconf_fault_files") or os.environ.get(faults.FILES_ENV_VAR)
-    )
-    if not ids:
-        return []
     try:
-        config.add_cleanup(faults.activate(ids, files))
+        config.add_cleanup(faults.activate(run.faults, run.fault_files))
     except faults.FaultError as exc:
         raise pytest.UsageError(f"--distconf-faults: {exc}") from None
-    return ids
 
 
 @pytest.fixture(scope="session")
 def world(request: pytest.FixtureRequest) -> World:
     """The session's World for this test's runner × world size × device."""
-    return _session_of(request.config).worlds.world(request.config, request.param)
+    return dsession.of(request.config).worlds.world(request.config, request.param)
 
 
 @pytest.fixture(scope="session")
@@ -88,4 +83,4 @@ def worlds(request: pytest.FixtureRequest) -> Worlds:
     """Worlds of every session world size for the configured runner and device (a test's own
     ``world`` among them): ``worlds.get(m)`` for checks that move between world sizes.
     ``worlds.sizes`` lists the sizes it serves (on cuda, those this process has GPUs for)."""
-    return _session_of(request.config).worlds.worlds(request.config)
+    return dsession.of(request.config).worlds.worlds(request.config)

@@ -167,7 +167,7 @@ class CheapFirst:
     """``--distconf-cheap-first``: within each World (pytest keeps the tests of a
     session-scoped World together), the tests an earlier run timed fastest go first."""
 
-    def __init__(self, sources: str) -> None:
+    def __init__(self, sources: tuple[Path, ...]) -> None:
         self.durations = _durations(sources)
 
     @pytest.hookimpl(trylast=True)  # after pytest grouped the items by World
@@ -183,14 +183,9 @@ class CheapFirst:
         )
 
 
-def _durations(sources: str) -> dict[str, float]:
+def _durations(sources: tuple[Path, ...]) -> dict[str, float]:
     paths: list[Path] = []
-    for source in filter(None, sources.split(",")):
-        path = Path(source)
-        if not path.exists():
-            raise pytest.UsageError(
-                f"--distconf-cheap-first={source!r} must be a results file or a directory of them"
-            )
+    for path in sources:
         paths += sorted(path.glob("**/results*.jsonl")) if path.is_dir() else [path]
     return {
         record["nodeid"]: float(record.get("duration") or 0.0)

@@ -20,19 +20,18 @@ NAME = "distconf-session"
 
 
 class DistconfSession:
-    """What one pytest session of distconf holds: its run options, Worlds, injected faults
-    and results file."""
+    """What one pytest session of distconf holds: its run options (injected faults among
+    them), its Worlds and its results file."""
 
-    def __init__(self, config: pytest.Config, run: RunConfig, faults: list[str]) -> None:
+    def __init__(self, config: pytest.Config, run: RunConfig) -> None:
         self.config = config
         self.run = run
-        self.faults = faults
         self.worlds = SessionWorlds(run)
         self.writer: ResultsWriter | None = None
 
     # Not at configure time: hypothesis loads --hypothesis-profile in its own configure hook.
     def pytest_sessionstart(self, session: pytest.Session) -> None:
-        self.writer = recording.open_writer(self.config, self.run, self.faults)
+        self.writer = recording.open_writer(self.config, self.run)
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         self.worlds.close()

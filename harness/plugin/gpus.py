@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
-from harness.config import RunConfig
-from harness.errors import check_int, invalid
+from harness.config import RunConfig, as_option
+from harness.errors import InvalidArgument, check_int, invalid
+from harness.plugin import options
 
 SIMULATE = "DISTCONF_SIMULATED_GPUS"
 GPU_WORKERS = "gpu"
@@ -94,12 +95,18 @@ def accept_gpu_workers(parser: pytest.Parser) -> None:
     patch_numprocesses_option(actions)
 
 
-def resolve_workers(config: pytest.Config, run: RunConfig) -> None:
+def resolve_workers(config: pytest.Config) -> None:
     """Resolve ``-n gpu`` into one worker per disjoint GPU group, before xdist reads ``-n``."""
     if getattr(config.option, "numprocesses", None) != GPU_WORKERS:
         return
-    per_worker = config.getoption("distconf_gpus_per_worker") or _gpus_per_world(run)
-    groups = plan_workers(visible_gpus(), per_worker)
+    per_worker = config.getoption("distconf_gpus_per_worker")
+    if per_worker is None:
+        per_worker = _gpus_per_world(options.run_config(config))
+    try:
+        groups = plan_workers(visible_gpus(), per_worker)
+    except InvalidArgument as exc:
+        spelled = {"per_worker": "--gpus-per-worker"}
+        raise pytest.UsageError(str(as_option(exc, spelled))) from None
     if not groups:
         config.option.numprocesses = 0  # in-process; GPU tests skip and say why
         return
@@ -110,14 +117,13 @@ def resolve_workers(config: pytest.Config, run: RunConfig) -> None:
 
 
 def _gpus_per_world(run: RunConfig) -> int:
-    """GPUs one World takes: a GPU per rank on the process runner, one shared by threads."""
-    if run.device != "cuda" or run.runner != "processes":
-        return 1
-    return max(run.world_sizes)
+    """GPUs the largest World takes (one unless it runs on cuda)."""
+    return gpus_for_world(run.runner, max(run.world_sizes)) if run.device == "cuda" else 1
 
 
 def gpus_for_world(runner: str, world_size: int) -> int:
-    """GPUs a cuda World of ``world_size`` ranks needs in this process."""
+    """GPUs a cuda World of ``world_size`` ranks needs in this process: a GPU per rank on
+    the process runner, one shared by rank threads."""
     return world_size if runner == "processes" else 1
 
 

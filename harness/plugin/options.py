@@ -6,15 +6,16 @@ Defaults come from ``harness.config.DEFAULTS``; ``run_config`` validates them in
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
 import pytest
 
 from harness import catalogue
-from harness.config import DEFAULTS, RunConfig, as_option, parse_world_sizes
+from harness.config import DEFAULTS, RunConfig, as_option, parse_world_sizes, split_names
 from harness.errors import InvalidArgument, check_one_of
-from harness.profiles import PROFILES, SEEDED
+from harness.profiles import PROFILES, needs_seed
 from harness.runners import DEVICES, RUNNERS
 
 
@@ -55,7 +56,7 @@ def add(parser: pytest.Parser) -> None:
         "--distconf-profile",
         dest="distconf_profile",
         default=None,
-        help=f"hypothesis profile, one of {PROFILES}; 'report' draws and records a seed "
+        help=f"hypothesis profile, one of {PROFILES}; a random one draws and records a seed "
         "when --hypothesis-seed is not given",
     )
     _add_gpu_options(group)
@@ -110,9 +111,21 @@ def _add_mutation_options(group: pytest.OptionGroup) -> None:
     )
 
 
+_SPELLED = {
+    "faults": "--distconf-faults",
+    "fault_files": "--distconf-fault-files",
+    "cheap_first": "--distconf-cheap-first",
+}
+"""The plugin's options whose names are not their RunConfig fields'."""
+
+
 def run_config(config: pytest.Config) -> RunConfig:
-    """The Worlds' options as a validated RunConfig (the fields pytest's options do not set,
-    such as the output directory, keep their defaults); a bad value is a usage error."""
+    """The session's options as a validated RunConfig; a bad value is a usage error naming
+    its option. Its profile and seed are hypothesis' options: the plugin reads them from
+    hypothesis where it records them; the output options are the CLI's."""
+    from harness import faults
+
+    env = os.environ
     try:
         return RunConfig(
             runner=config.getoption("distconf_runner"),
@@ -120,9 +133,19 @@ def run_config(config: pytest.Config) -> RunConfig:
             device=config.getoption("distconf_device"),
             rank_timeout=config.getoption("distconf_rank_timeout"),
             strict_collectives=config.getoption("distconf_strict_collectives"),
+            faults=_names(config.getoption("distconf_faults") or env.get(faults.ENV_VAR)),
+            fault_files=_names(
+                config.getoption("distconf_fault_files") or env.get(faults.FILES_ENV_VAR)
+            ),
+            cheap_first=tuple(map(Path, _names(config.getoption("distconf_cheap_first")))),
+            exitfirst=bool(config.getoption("exitfirst", False)),
         )
     except InvalidArgument as exc:
-        raise pytest.UsageError(str(as_option(exc))) from None
+        raise pytest.UsageError(str(as_option(exc, _SPELLED))) from None
+
+
+def _names(text: str | None) -> tuple[str, ...]:
+    return split_names([text or ""])
 
 
 def choose_profile(config: pytest.Config) -> None:
@@ -136,7 +159,7 @@ def choose_profile(config: pytest.Config) -> None:
     except InvalidArgument as exc:
         raise pytest.UsageError(str(exc)) from None
     config.option.hypothesis_profile = profile
-    if profile in SEEDED and getattr(config.option, "hypothesis_seed", None) is None:
+    if needs_seed(profile) and getattr(config.option, "hypothesis_seed", None) is None:
         config.option.hypothesis_seed = random.randrange(2**32)
 
 

@@ -25,7 +25,7 @@ from harness.results import ResultsWriter, TestRecord, accelerator_versions, env
 from harness.runners import WorldKey
 
 
-def open_writer(config: pytest.Config, run: RunConfig, faults: list[str]) -> ResultsWriter | None:
+def open_writer(config: pytest.Config, run: RunConfig) -> ResultsWriter | None:
     """The session's results file (``--distconf-results``; one per xdist worker), headed by
     the environment stamp; None when no results were asked for."""
     target = config.getoption("distconf_results")
@@ -45,7 +45,7 @@ def open_writer(config: pytest.Config, run: RunConfig, faults: list[str]) -> Res
         seed=options.seed(config),
         derandomize=settings.default.derandomize if settings.default else None,
         max_examples=settings.default.max_examples if settings.default else None,
-        faults=faults,
+        faults=list(run.faults),
         **accelerator_versions(),
     )
     return ResultsWriter(path, header)

@@ -122,8 +122,7 @@ class SessionWorlds:
         if key is not None:
             self._cache.get(key.runner, key.world_size, key.device).check_health()
         if uses_other_worlds(item):
-            for world in self._cache.existing(self.run.runner, self.run.device):
-                world.check_health()
+            self._cache.check_health(self.run.runner, self.run.device)
 
     def close(self) -> None:
         if self._cache is not None:

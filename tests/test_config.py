@@ -1,0 +1,80 @@
+"""harness.config: a run's options, their defaults and validation in one place, and the
+command line and the plugin spelling a refused value as their own option."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from harness import InvalidArgument, cli
+from harness.config import DEFAULTS, RunConfig, as_option, parse_world_sizes
+from harness.runners import DEFAULT_TIMEOUT, RUNNERS
+
+
+def test_the_defaults_are_a_valid_run_of_every_suite():
+    assert DEFAULTS.runner == RUNNERS[0] and DEFAULTS.rank_timeout == DEFAULT_TIMEOUT
+    assert DEFAULTS.world_sizes == (1, 2, 3, 4) and DEFAULTS.suites == ()
+    assert all(f.kw_only for f in fields(RunConfig))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("runner", "mpi", "runner='mpi' must be one of ('threads', 'processes')"),
+        ("world_sizes", (2, 2), "world_sizes=(2, 2) must be a non-empty tuple of distinct"),
+        ("world_sizes", (), "world_sizes=() must be a non-empty tuple"),
+        ("device", "tpu", "device='tpu' must be one of"),
+        ("rank_timeout", 0, "rank_timeout=0 must be a positive, finite number of seconds"),
+        ("test_timeout", -1, "test_timeout=-1 must be a finite number of seconds >= 0"),
+        ("profile", "fast", "profile='fast' must be one of"),
+        ("seed", 1.5, "seed=1.5 must be an int or None"),
+        ("suites", ("nope",), "suite='nope' must be one of"),
+        ("out", "reports", "out='reports' must be a pathlib.Path"),
+        ("faults", ("",), "faults=('',) must be a tuple of non-empty strings"),
+        ("cheap_first", (Path("/no/such/results"),), "cheap_first='/no/such/results' must be"),
+    ],
+)
+def test_a_bad_field_is_refused_naming_it(field, value, message):
+    with pytest.raises(InvalidArgument) as info:
+        RunConfig(**{field: value})
+    assert str(info.value).startswith(message)
+
+
+def test_no_driver_backstop_and_any_seed_are_accepted():
+    assert RunConfig(test_timeout=0, seed=-3).test_timeout == 0
+
+
+def test_world_sizes_parse_from_the_option_text():
+    assert parse_world_sizes("1,2,2,4") == (1, 2, 4)
+    with pytest.raises(InvalidArgument, match="world_sizes='1,x' must be a comma-separated"):
+        parse_world_sizes("1,x")
+
+
+def test_a_refused_field_is_named_as_its_option():
+    with pytest.raises(InvalidArgument) as info:
+        RunConfig(rank_timeout=0)
+    assert str(as_option(info.value)).startswith("--rank-timeout=0 must be")
+    renamed = as_option(info.value, {"rank_timeout": "--deadline"})
+    assert str(renamed).startswith("--deadline=0 must be")
+
+
+def test_the_command_line_refuses_before_it_deletes_anything(tmp_path, capsys):
+    earlier = tmp_path / "results.jsonl"
+    earlier.write_text('{"kind": "header"}\n')
+    for bad in (["--world-sizes", "0"], ["--suite", "nosuch"], ["--rank-timeout", "0"]):
+        code = cli.main(["run", *bad, "--out", str(tmp_path)])
+        assert code == cli.USAGE_ERROR
+        assert earlier.exists(), f"{bad} deleted an earlier run's records"
+    err = capsys.readouterr().err
+    assert "error: --world-sizes='0' must be a comma-separated list of positive ints" in err
+    assert "error: --suite='nosuch' must be one of" in err
+    assert "error: --rank-timeout=0.0 must be a positive, finite number of seconds" in err
+
+
+def test_a_malformed_command_line_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["run", "--runner", "mpi"])
+    assert info.value.code == cli.USAGE_ERROR
+    assert "invalid choice: 'mpi'" in capsys.readouterr().err
