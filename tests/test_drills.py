@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import RankFailure, open_world
+from harness import InvalidArgument, RankFailure, open_world
 from harness.runners import WorldStartError
 
 RUNNERS = ["threads", "processes"]
@@ -204,10 +204,10 @@ def lambda_free_pid(ctx):
 def test_unpicklable_call_is_named_in_the_driver():
     with open_world("processes", world_size=2) as world:
         with pytest.raises(
-            TypeError, match=r"fn=<function .*<lambda>.* cannot be sent to rank processes"
+            InvalidArgument, match=r"fn=<function .*<lambda>.* must be picklable to reach rank"
         ):
             world.run(lambda ctx: 1)
-        with pytest.raises(TypeError, match=r"args\[0\]=<generator .* cannot be sent"):
+        with pytest.raises(InvalidArgument, match=r"args\[0\]=<generator .* must be picklable"):
             world.run(_sum_of_ranks, (i for i in range(3)))
         assert world.calls == 0  # nothing was started for calls that could not be sent
 

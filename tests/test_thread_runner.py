@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import AllRanksSkipped, RankFailure, open_world
+from harness import AllRanksSkipped, DistconfError, RankFailure, open_world
 from harness.runners import WorldCache, Worlds
 from harness.runners._threaded_pg import RunnerUnsupported
 
@@ -157,7 +157,7 @@ def test_a_rank_thread_cannot_use_its_own_world(world4):
     def uses_world(ctx):
         refusals = []
         for call in (lambda: world4.run(_rank), world4.check_health, world4.start):
-            with pytest.raises(RuntimeError, match="was called from a rank thread") as info:
+            with pytest.raises(DistconfError, match="was called from a rank thread") as info:
                 call()
             refusals.append(str(info.value).split()[0])
         return refusals

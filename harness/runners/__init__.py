@@ -136,6 +136,11 @@ class WorldCache:
         keys = sorted(k for k in self._worlds if (k.runner, k.device) == (runner, device))
         return [self._worlds[k] for k in keys]
 
+    def check_health(self, runner: str, device: str) -> None:
+        """Check every World of ``runner`` and ``device`` built so far (World.check_health)."""
+        for world in self.existing(runner, device):
+            world.check_health()
+
     def close(self) -> None:
         worlds, self._worlds = list(self._worlds.values()), {}
         for world in worlds:
@@ -170,5 +175,4 @@ class Worlds:
 
     def check_health(self) -> None:
         """Check every World of this runner and device built so far (see World.check_health)."""
-        for world in self._cache.existing(self.runner, self.device):
-            world.check_health()
+        self._cache.check_health(self.runner, self.device)

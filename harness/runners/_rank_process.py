@@ -21,7 +21,6 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
-from harness.errors import fail
 from harness.runners.base import (
     RankOutcome,
     error_outcome,
@@ -212,7 +211,7 @@ class _Rank:
             elif kind == "reset":
                 self.join_group(int(argument))
             else:
-                fail("control", kind, "'health' or 'reset'")
+                raise AssertionError(f"the driver sent an unknown control message {kind!r}")
         except BaseException as exc:
             return error_outcome(rank, exc, keep=False, context=f"control message {kind!r}")
         return RankOutcome(rank, "ok")

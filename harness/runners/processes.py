@@ -329,15 +329,15 @@ def _pickled_call(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
     try:
         pickle.dumps(fn)
     except Exception as exc:
-        raise TypeError(
-            f"fn={fn!r} cannot be sent to rank processes ({exc}); define it at module level"
+        raise invalid(
+            "fn", fn, f"picklable to reach rank processes ({exc}): a module-level function"
         ) from None
     for index, arg in enumerate(args):
         try:
             pickle.dumps(arg)
         except Exception as exc:
-            raise TypeError(
-                f"args[{index}]={arg!r} cannot be sent to rank processes ({exc})"
+            raise invalid(
+                f"args[{index}]", arg, f"picklable to reach rank processes ({exc})"
             ) from None
     return pickle.dumps((fn, args))
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore
 
-from harness.errors import WorldStartError
+from harness.errors import DistconfError, WorldStartError
 from harness.runners import _threaded_pg
 from harness.runners.base import (
     DEFAULT_TIMEOUT,
@@ -224,7 +224,7 @@ class ThreadWorld(PersistentWorld[_Generation]):
 
     def _refuse_caller(self, method: str) -> None:
         if threading.current_thread().name.startswith("distconf-g"):
-            raise RuntimeError(
+            raise DistconfError(
                 f"world.{method} was called from a rank thread; call it from the driver"
             )
 

@@ -97,10 +97,14 @@ class PersistentWorld(ABC, Generic[RanksT]):
             self._hung = False
             if self._ranks is None:
                 return True
-            if self._ranks.healthy():
-                return True
-            self._discard()
-            return False
+            try:
+                healthy = self._ranks.healthy()
+            except BaseException:
+                self._discard()  # interrupted (Ctrl-C): never leave ranks mid-barrier
+                raise
+            if not healthy:
+                self._discard()
+            return healthy
 
     def close(self) -> None:
         self._refuse_caller("close")
