@@ -11,12 +11,44 @@ packages are not edges of their own.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_LINES = 600
+ENGINE = (
+    "harness.cli",
+    "harness.session",
+    "harness.config",
+    "harness.plugin",
+    "harness.mutation",
+    "harness.report",
+    "harness.bench",
+)
+BELOW_THE_ENGINE = (
+    "harness.parity",
+    "harness.results",
+    "harness.catalogue",
+    "harness.expectations",
+    "harness.profiles",
+    "harness.faults",
+)
+LAYERS = {
+    # part: prefixes of distconf modules it must not import
+    "harness.errors": ("harness", "specs", "suites"),
+    "specs": ("harness", "suites"),
+    "harness.cases": (*ENGINE, "harness.strategies", "harness.runners", "harness.torchkit"),
+    "harness.torchkit": (*ENGINE, "harness.strategies", "harness.runners"),
+    "harness.runners": (*ENGINE, "harness.strategies"),
+    "harness.strategies": (*ENGINE, "harness.runners"),
+    **{part: ENGINE for part in BELOW_THE_ENGINE},
+    # the suites see Worlds through the public face (harness.World), never a runner
+    "suites": ("harness.runners", "harness.plugin", *ENGINE[:3], "harness.mutation"),
+}
+ALLOWED = {"specs": ("harness.errors",)}
 
 
 def modules(*packages: str) -> dict[str, Path]:
@@ -121,27 +153,6 @@ def test_harness_never_imports_suites() -> None:
     assert {m: t for m, t in upward.items() if t} == {}
 
 
-ENGINE = (
-    "harness.cli",
-    "harness.session",
-    "harness.config",
-    "harness.plugin",
-    "harness.mutation",
-    "harness.report",
-    "harness.bench",
-    "harness.strategies",
-)
-LAYERS = {
-    # part: prefixes of distconf modules it must not import
-    "harness.errors": ("harness", "specs", "suites"),
-    "specs": ("harness", "suites"),
-    "harness.cases": (*ENGINE, "harness.runners", "harness.torchkit"),
-    "harness.torchkit": (*ENGINE, "harness.runners"),
-    "harness.runners": ENGINE,
-}
-ALLOWED = {"specs": ("harness.errors",)}
-
-
 def _within(module: str, prefix: str) -> bool:
     return module == prefix or module.startswith(prefix + ".")
 
@@ -162,6 +173,51 @@ def test_each_part_imports_only_what_lies_below_it() -> None:
             if bad:
                 wrong[module] = bad
     assert wrong == {}
+
+
+def _imports_of(module: str, path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [
+        name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for name in _imported(node, module, path.name == "__init__.py")
+    ]
+
+
+def test_cases_never_import_torch() -> None:
+    found = {
+        module: names
+        for module, path in modules("harness").items()
+        if _within(module, "harness.cases")
+        and (names := sorted(n for n in _imports_of(module, path) if _within(n, "torch")))
+    }
+    assert found == {}
+
+
+def test_only_the_threaded_group_touches_torch_testing_internal() -> None:
+    found = {
+        module
+        for module, path in modules("harness", "suites", "specs").items()
+        if any(_within(n, "torch.testing._internal") for n in _imports_of(module, path))
+    }
+    assert found == {"harness.runners._threaded_pg"}
+
+
+@pytest.mark.parametrize(
+    ("statement", "absent"),
+    [
+        # specs stand alone: the errors they raise come without the harness behind them
+        ("import specs.placements, specs.modules, specs.chunking", ("torch", "pytest")),
+        ("import harness, harness.plugin, harness.cli", ("torch",)),
+    ],
+)
+def test_light_imports_stay_light(statement: str, absent: tuple[str, ...]) -> None:
+    code = f"import sys; {statement}; print([m for m in {absent!r} if m in sys.modules])"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip() == "[]", f"{statement} loaded {done.stdout.strip()}"
 
 
 def test_specs_never_import_torch() -> None:
