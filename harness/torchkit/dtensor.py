@@ -81,6 +81,17 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     return host.numpy().copy()
 
 
+def full_array(tensor: torch.Tensor) -> np.ndarray:
+    """The whole tensor on this rank as a numpy array: ``full_tensor()`` of a DTensor (a
+    collective: every rank must call it), the tensor itself otherwise."""
+    return to_numpy(tensor.full_tensor() if isinstance(tensor, DTensor) else tensor)
+
+
+def full_grads(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """Every parameter's whole gradient by name (a collective per DTensor gradient)."""
+    return {n: full_array(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+
+
 @dataclass(frozen=True)
 class DTensorView:
     """What one rank holds of a DTensor, in plain values the driver can compare."""

@@ -148,10 +148,6 @@ def fsdp_param_fqn(fsdp_param: Any) -> str | None:
     return fqn
 
 
-def fsdp_sharded_param(fsdp_param: Any) -> Any:
-    return _attr(fsdp_param, "sharded_param", "FSDPParam")
-
-
 def group_ranks_of_name(group_name: str) -> tuple[int, ...]:
     """Global ranks of the process group a functional collective names by its group name."""
     from torch.distributed import distributed_c10d

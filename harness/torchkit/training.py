@@ -17,7 +17,6 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -27,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from harness.cases.training import TP_LAYOUTS, ParityCase
 from harness.torchkit.context import RankContext
-from harness.torchkit.dtensor import tensor_from, to_numpy
+from harness.torchkit.dtensor import full_array, tensor_from
 from harness.torchkit.optim import (
     Trained,
     build_optimizer,
@@ -66,7 +65,7 @@ def train_steps(
 
 def dtensor_full_params(model: nn.Module) -> dict[str, np.ndarray]:
     """Every full parameter (a collective per DTensor) by its unsharded name."""
-    return {n: _full(p) for n, p in named_full_params(model)}
+    return {n: full_array(p) for n, p in named_full_params(model)}
 
 
 def train_step(
@@ -115,11 +114,6 @@ def _gradient_sync(wrapped: nn.Module, enabled: bool) -> Iterator[None]:
             yield
     else:
         yield
-
-
-def _full(param: torch.Tensor) -> Any:
-    """The whole parameter on every rank (a collective for a DTensor)."""
-    return to_numpy(param.full_tensor() if isinstance(param, DTensor) else param)
 
 
 def parallelize(

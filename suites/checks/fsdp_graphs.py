@@ -23,8 +23,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from harness import RankContext
 from harness.cases.modules import GraphCase
 from harness.torchkit import internals
-from harness.torchkit.dtensor import DTensorView, tensor_from, to_numpy, view_of
-from harness.torchkit.module_graphs import BuiltGraph, build_graph, graph_batch, seeded_values
+from harness.torchkit.dtensor import DTensorView, full_array, tensor_from, to_numpy, view_of
+from harness.torchkit.module_graphs import BuiltGraph, build_graph, graph_batch
 from specs.modules import Loc, ParamInfo, simulate
 
 CONSTANT = 1337.0
@@ -130,10 +130,6 @@ def _objects(built: BuiltGraph, *, buffers: bool = True) -> dict[Loc, int]:
     return {loc: len(ids) for loc, ids in held.items()}
 
 
-def _full(tensor: torch.Tensor) -> np.ndarray:
-    return to_numpy(tensor.full_tensor() if isinstance(tensor, DTensor) else tensor)
-
-
 def _materialize(built: BuiltGraph, ctx: RankContext, assign_root: bool) -> dict[Loc, np.ndarray]:
     """``to_empty`` on the device, a constant everywhere, then ``reset_parameters``.
 
@@ -207,7 +203,7 @@ def train_on_rank(ctx: RankContext, case: GraphCase, assign_root: bool = False) 
     apply_plan(built, ctx)
     after_reset = _materialize(built, ctx, assign_root) if case.meta else None
     losses = _rank_steps(built, case, ctx)
-    values = {loc: _full(tensor) for loc, tensor in built.places()}
+    values = {loc: full_array(tensor) for loc, tensor in built.places()}
     objects = _objects(built, buffers=not case.meta)  # to_empty copies buffers per module
     return TrainView(objects, values, losses, after_reset)
 
@@ -220,14 +216,14 @@ def reference_training(case: GraphCase, world_size: int) -> TrainView:
         case,
         lambda step: tuple(torch.from_numpy(a) for a in graph_batch(case, world_size, step)),
     )
-    values = {loc: _full(tensor) for loc, tensor in built.places()}
+    values = {loc: full_array(tensor) for loc, tensor in built.places()}
     return TrainView(_objects(built), values, losses)
 
 
 def initial_values(case: GraphCase) -> dict[Loc, np.ndarray]:
     """The seeded global value of every canonical parameter place."""
     built = build_graph(replace(case, meta=False), "cpu")
-    return {built.graph.source(loc): _full(t) for loc, t in built.places()}
+    return {built.graph.source(loc): full_array(t) for loc, t in built.places()}
 
 
 # --- lazy init and its errors ---------------------------------------------------------------
@@ -386,15 +382,10 @@ def _received(meta: torch.Tensor, value: torch.Tensor | None, ctx: RankContext) 
 
 def _train_loaded(built: BuiltGraph, case: GraphCase, ctx: RankContext) -> TrainView:
     after_load = {
-        built.graph.source(loc): _full(t)
+        built.graph.source(loc): full_array(t)
         for loc, t in built.places()
         if loc in built.graph.param_locs(loc[0])
     }
     losses = _rank_steps(built, case, ctx)
-    values = {loc: _full(tensor) for loc, tensor in built.places()}
+    values = {loc: full_array(tensor) for loc, tensor in built.places()}
     return TrainView(_objects(built), values, losses, after_load)
-
-
-def seeded_full(case: GraphCase, loc: Loc, shape: tuple[int, ...]) -> np.ndarray:
-    """The global value ``reset_parameters`` gives the tensor at canonical place ``loc``."""
-    return to_numpy(seeded_values((case.seed, "graph", loc), shape))

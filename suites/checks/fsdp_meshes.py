@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from harness import RankContext
 from harness.cases.modules import MLPMeshCase
 from harness.parity import assert_array_equal, failure
-from harness.torchkit.dtensor import DTensorView, tensor_from, to_numpy, view_of
+from harness.torchkit.dtensor import DTensorView, full_grads, tensor_from, to_numpy, view_of
 from harness.torchkit.module_graphs import GraphMLP, build_mesh_mlp, mesh_batch, reset_all
 from specs import fsdp_layouts as layouts
 
@@ -76,14 +76,6 @@ def _step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> floa
     return float(loss.item())
 
 
-def _grads(model: nn.Module) -> dict[str, np.ndarray]:
-    return {
-        name: to_numpy(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
-        for name, p in model.named_parameters()
-        if p.grad is not None
-    }
-
-
 def tp_on_rank(ctx: RankContext, case: MLPMeshCase) -> MeshView:
     """``parallelize_module`` over ``tp`` (Colwise in, Rowwise out), ``fully_shard`` over
     ``dp``; then, when TP splits ``hidden`` evenly, one step on the rows of this rank's dp
@@ -100,7 +92,7 @@ def tp_on_rank(ctx: RankContext, case: MLPMeshCase) -> MeshView:
         return MeshView(params, {}, float("nan"))
     dp_rank = mesh.get_local_rank("dp")
     loss = _step(model, *_rows(case, ctx, case.mesh_shape[0], dp_rank))
-    return MeshView(params, _grads(model), loss)
+    return MeshView(params, full_grads(model), loss)
 
 
 def reference_step(case: MLPMeshCase, data_parallel: int) -> tuple[dict[str, Any], float]:
@@ -109,7 +101,7 @@ def reference_step(case: MLPMeshCase, data_parallel: int) -> tuple[dict[str, Any
     values = {name: to_numpy(p) for name, p in model.named_parameters()}
     inputs, targets = (torch.from_numpy(a) for a in mesh_batch(case, data_parallel))
     loss = _step(model, inputs, targets)
-    return {"values": values, "grads": _grads(model)}, loss
+    return {"values": values, "grads": full_grads(model)}, loss
 
 
 @dataclass(frozen=True)
@@ -153,7 +145,7 @@ def hsdp_on_rank(ctx: RankContext, case: MLPMeshCase) -> HSDPView:
             dist.broadcast(local, src=source, group=group)
     broadcast = {name: _replicas(t, group, size) for name, t in tensors}
     loss = _step(model, *_rows(case, ctx, ctx.world_size, ctx.rank))
-    return HSDPView(params, corrupted, broadcast, _grads(model), loss)
+    return HSDPView(params, corrupted, broadcast, full_grads(model), loss)
 
 
 def strided_on_rank(
@@ -263,7 +255,7 @@ def hook_on_rank(ctx: RankContext, case: MLPMeshCase) -> tuple[dict[str, np.ndar
     for module in (model.in_proj, model.out_proj, model) if case.nested else (model,):
         module.set_all_reduce_hook(average_over_replicas)  # type: ignore[operator]
     _step(model, *_rows(case, ctx, ctx.world_size, ctx.rank))
-    return _grads(model), len(calls)
+    return full_grads(model), len(calls)
 
 
 def stream_rejected_on_rank(ctx: RankContext, case: MLPMeshCase) -> str | None:

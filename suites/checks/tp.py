@@ -26,6 +26,7 @@ from harness.torchkit import shared_contexts
 from harness.torchkit.collectives import CountKey, counting
 from harness.torchkit.dtensor import (
     from_torch_placements,
+    full_array,
     tensor_from,
     to_numpy,
     to_torch_placements,
@@ -52,10 +53,6 @@ class TPTrace:
     grads: dict[str, np.ndarray]
     params: dict[str, np.ndarray]
     counts: dict[CountKey, int] = field(default_factory=dict)
-
-
-def _full(tensor: torch.Tensor) -> np.ndarray:
-    return to_numpy(tensor.full_tensor() if isinstance(tensor, DTensor) else tensor)
 
 
 def _plan(sequence_parallel: bool) -> dict[str, Any]:
@@ -95,12 +92,14 @@ def tp_train_on_rank(ctx: RankContext, case: TPCase) -> TPTrace:
             loss.backward()
         outputs.append(to_numpy(output))
         if step == 0:
-            grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+            grads = {
+                n: full_array(p.grad) for n, p in model.named_parameters() if p.grad is not None
+            }
             counts = dict(seen)
         optimizer.step()
         if scheduler is not None:
             scheduler.step()
-    params = {n: _full(p) for n, p in model.named_parameters()}
+    params = {n: full_array(p) for n, p in model.named_parameters()}
     return TPTrace(tuple(outputs), grads, params, counts)
 
 
@@ -185,8 +184,8 @@ def tied_on_rank(ctx: RankContext, case: TiedCase) -> TiedResult:
         untied_grads_differ=grads_differ,
         same_parameter=model.fc.weight is model.embedding.weight,
         same_grad=model.fc.weight.grad is grad,
-        output=_full(output),
-        grad=_full(grad),
+        output=full_array(output),
+        grad=full_array(grad),
     )
 
 
@@ -259,8 +258,8 @@ def loss_on_rank(ctx: RankContext, case: LossCase) -> LossResult:
     return LossResult(
         loss_placements=from_torch_placements(loss.placements),
         grad_placements=from_torch_placements(grad.placements),
-        loss=_full(loss),
-        grad=_full(grad),
+        loss=full_array(loss),
+        grad=full_array(grad),
         forward=dict(forward),
         backward=dict(backward),
     )
@@ -361,7 +360,7 @@ def _layer_plan(sp: bool) -> dict[str, Any]:
     return plan
 
 
-def parallelize(model: Transformer, mesh: Any, case: TransformerCase) -> Transformer:
+def parallelize_transformer(model: Transformer, mesh: Any, case: TransformerCase) -> Transformer:
     """Upstream's plan; the attention projections hand on local outputs, so each rank's
     attention runs over its own heads."""
     sp = case.sequence_parallel
@@ -409,15 +408,17 @@ def _trace(model: nn.Module, case: TransformerCase, device: torch.device) -> Tra
             optimizer.step()
         outputs.append(to_numpy(output.detach()))
         if step == 0:
-            grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+            grads = {
+                n: full_array(p.grad) for n, p in model.named_parameters() if p.grad is not None
+            }
             counts = (dict(forward), dict(backward), dict(step_counts))
-    params = {n: _full(p.detach()) for n, p in model.named_parameters()}
+    params = {n: full_array(p.detach()) for n, p in model.named_parameters()}
     return TransformerTrace(tuple(outputs), grads, params, counts)
 
 
 def transformer_on_rank(ctx: RankContext, case: TransformerCase) -> TransformerTrace:
     model = build_transformer(case, ctx.device)
-    parallelize(model, ctx.mesh((ctx.world_size,)), case)
+    parallelize_transformer(model, ctx.mesh((ctx.world_size,)), case)
     return _trace(model, case, ctx.device)
 
 

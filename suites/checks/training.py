@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import distribute_tensor
 
 from harness import RankContext
 from harness.cases.training import ParityCase, StepCase
 from harness.parity import assert_close, assert_equal_values
-from harness.torchkit.dtensor import tensor_from, to_numpy, to_torch_placements
+from harness.torchkit.dtensor import full_array, tensor_from, to_numpy, to_torch_placements
 from harness.torchkit.models import Centering, build_centered_mlp, build_mlp
 from harness.torchkit.optim import (
     Trained,
@@ -153,7 +153,7 @@ def step_on_rank(ctx: RankContext, case: StepCase) -> list[np.ndarray]:
         for i, (param, grad) in enumerate(zip(params, case.grads(step), strict=True)):
             param.grad = _laid_out(ctx, case, i, grad)
         optimizer.step()
-    return [to_numpy(p.full_tensor() if isinstance(p, DTensor) else p) for p in params]
+    return [full_array(p) for p in params]
 
 
 def step_model(case: StepCase) -> list[np.ndarray]:
