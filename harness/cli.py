@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from harness import catalogue
-from harness.config import DEFAULTS, RunConfig, as_option, parse_world_sizes, split_names
+from harness.config import (
+    DEFAULTS,
+    MUTATE_OUT,
+    RunConfig,
+    as_option,
+    parse_world_sizes,
+    split_names,
+)
 from harness.errors import (
     CatalogueError,
     ExpectationError,
@@ -27,7 +34,6 @@ from harness.errors import (
     ReportError,
     check_int,
 )
-from harness.mutation.mutate import DEFAULT_OUT
 from harness.profiles import PROFILES
 from harness.runners import DEVICES, RUNNERS
 
@@ -215,7 +221,7 @@ def _add_mutate(commands: Any) -> None:
         help="a Python file defining FAULTS = (harness.faults.Fault, ...): adds its faults to "
         "the catalogue (repeatable)",
     )
-    _add_run_options(mutate, out=DEFAULT_OUT)
+    _add_run_options(mutate, out=MUTATE_OUT)
     mutate.add_argument(
         "--jobs",
         type=int,

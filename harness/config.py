@@ -163,3 +163,5 @@ def suite_paths(config: RunConfig) -> list[Path]:
 
 DEFAULTS = RunConfig()
 """distconf's defaults: the CLI's and the plugin's options read theirs from here."""
+MUTATE_OUT = Path("reports", "mutate")
+"""Where ``mutate`` writes its runs, table and report unless told otherwise."""

@@ -30,7 +30,6 @@ from harness.mutation import launcher
 from harness.results import UNEXPECTED, read_results
 
 SCHEMA = 1
-DEFAULT_OUT = Path("reports", "mutate")
 CAUGHT = ("failed", "error", "timeout", "crashed", "xpassed")
 
 

@@ -149,8 +149,8 @@ def _names(text: str | None) -> tuple[str, ...]:
 
 
 def choose_profile(config: pytest.Config) -> None:
-    """``--distconf-profile``: hand hypothesis its profile (and for 'report' a seed) before
-    hypothesis' own configure hook reads them."""
+    """``--distconf-profile``: hand hypothesis its profile (and for a random one a seed,
+    ``profiles.needs_seed``) before hypothesis' own configure hook reads them."""
     profile = config.getoption("distconf_profile")
     if profile is None:
         return
