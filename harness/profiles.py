@@ -20,9 +20,13 @@ from harness.errors import check_int
 
 PROFILES = ("dev", "ci", "nightly", "report")
 
-settings.register_profile("dev", max_examples=10, deadline=None)
-settings.register_profile("nightly", max_examples=1000, deadline=None)
-settings.register_profile("report", max_examples=200, database=None, deadline=None)
+# derandomize=False is stated, not inherited: a profile's unset fields come from the default
+# settings, which under a CI environment variable are hypothesis' derandomized ``ci``.
+settings.register_profile("dev", max_examples=10, deadline=None, derandomize=False)
+settings.register_profile("nightly", max_examples=1000, deadline=None, derandomize=False)
+settings.register_profile(
+    "report", max_examples=200, database=None, deadline=None, derandomize=False
+)
 
 
 def needs_seed(profile: str) -> bool:

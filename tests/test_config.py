@@ -3,6 +3,9 @@ command line and the plugin spelling a refused value as their own option."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -78,3 +81,15 @@ def test_a_malformed_command_line_is_a_usage_error(capsys):
         cli.main(["run", "--runner", "mpi"])
     assert info.value.code == cli.USAGE_ERROR
     assert "invalid choice: 'mpi'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("in_ci", [False, True], ids=["local", "CI=true"])
+def test_random_profiles_stay_random_under_a_ci_variable(in_ci):
+    env = {k: v for k, v in os.environ.items() if k != "CI"} | ({"CI": "true"} if in_ci else {})
+    probe = (
+        "from harness.profiles import PROFILES as P, needs_seed; print([needs_seed(p) for p in P])"
+    )
+    shown = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
+    )
+    assert shown.stdout.strip() == "[True, False, True, True]", shown.stdout + shown.stderr

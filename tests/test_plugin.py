@@ -412,7 +412,15 @@ def test_runner_marker_skips_other_runners_visibly(project):
     run.stdout.fnmatch_lines(["*needs the processes runner: uses process-global state*"])
 
 
-def test_report_profile_runs_with_a_recorded_seed(project):
+@pytest.mark.parametrize("in_ci", [False, True], ids=["local", "CI=true"])
+def test_report_profile_runs_with_a_recorded_seed(project, monkeypatch, in_ci):
+    # Under a CI variable hypothesis makes its derandomized ``ci`` profile the default, the
+    # parent of every profile registered without its own derandomize.
+    if in_ci:
+        monkeypatch.setenv("CI", "true")
+    else:
+        for variable in ("CI", "GITHUB_ACTIONS", "TF_BUILD", "BUILDKITE", "CIRCLECI"):
+            monkeypatch.delenv(variable, raising=False)
     _suite(project, GOOD_SUITE)
     results = project.path / "r.jsonl"
     run = project.runpytest_subprocess(
