@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from harness import World, parity
 from harness.cases.tp import LossCase, TPCase, TransformerCase
-from harness.parity import assert_close, assert_equal_values
+from harness.parity import Float32Multiple, assert_close, assert_equal_values
 from harness.profiles import costly, hanging, property_settings
 from harness.strategies import (
     loss_cases,
@@ -202,23 +202,32 @@ FLOAT32_SLACK, FLOAT32_FLOOR = 32.0, 1e-6
 FLOAT32_WHY = "float32 rounding: within 32x one device's largest float32 error, + 1e-6"
 
 
-def _float32_atol(exact: Sequence[np.ndarray], own: Sequence[np.ndarray]) -> float:
+Float32Allowance = tuple[float, Float32Multiple]
+"""An atol and the multiple of one device's float32 error it is built on."""
+
+
+def _float32_atol(exact: Sequence[np.ndarray], own: Sequence[np.ndarray]) -> Float32Allowance:
     errors = [
         np.abs(o.astype(np.float64) - e).max(initial=0.0) for e, o in zip(exact, own, strict=True)
     ]
-    return FLOAT32_SLACK * float(max(errors, default=0.0)) + FLOAT32_FLOOR
+    basis = Float32Multiple(FLOAT32_SLACK, float(max(errors, default=0.0)))
+    return basis.multiple * basis.error + FLOAT32_FLOOR, basis
 
 
 def _assert_transformer_close(
-    got: np.ndarray, exact: np.ndarray, case: TransformerCase, what: str, atol32: float | None
+    got: np.ndarray,
+    exact: np.ndarray,
+    case: TransformerCase,
+    what: str,
+    float32: Float32Allowance | None,
 ) -> None:
-    """``got`` against the float64 reference; ``atol32``: the float32 allowance (None for
+    """``got`` against the float64 reference; ``float32``: the float32 allowance (None for
     float64 cases)."""
     __tracebackhide__ = True
     rtol, atol = TRANSFORMER_TOLERANCE
-    why = TRANSFORMER_WHY
-    if atol32 is not None:
-        rtol, atol, why = 0.0, atol32, FLOAT32_WHY
+    why, basis = TRANSFORMER_WHY, None
+    if float32 is not None:
+        (atol, basis), rtol, why = float32, 0.0, FLOAT32_WHY
     assert_close(
         got,
         exact,
@@ -228,17 +237,20 @@ def _assert_transformer_close(
         what=what,
         why=why,
         record_as=f"tp_transformer/{case.dtype}",
+        atol_from=basis,
     )
 
 
 def _float32_allowances(
     exact: tp.TransformerTrace, own: tp.TransformerTrace, case: TransformerCase
-) -> tuple[float, float, float]:
+) -> tuple[Float32Allowance, Float32Allowance, Float32Allowance]:
     """(outputs, gradients, parameters) float32 allowances."""
     grads = _float32_atol(list(exact.grads.values()), [own.grads[n] for n in exact.grads])
-    params = _float32_atol(list(exact.params.values()), [own.params[n] for n in exact.params])
+    params, basis = _float32_atol(
+        list(exact.params.values()), [own.params[n] for n in exact.params]
+    )
     outputs = _float32_atol(exact.outputs, own.outputs)
-    return outputs, grads, params + case.lr / case.eps * grads
+    return outputs, grads, (params + case.lr / case.eps * grads[0], basis)
 
 
 def _check_values(
@@ -253,14 +265,14 @@ def _check_values(
     for step, want in enumerate(exact.outputs):
         what = f"output of step {step} on rank {rank}"
         _assert_transformer_close(trace.outputs[step], want, case, what, allowances[0])
-    for kind, got_map, want_map, atol32 in (
+    for kind, got_map, want_map, float32 in (
         ("gradient after the first backward", trace.grads, exact.grads, allowances[1]),
         (f"parameter after {case.steps} step(s)", trace.params, exact.params, allowances[2]),
     ):
         assert_equal_values(sorted(got_map), sorted(want_map), what=f"{kind} names")
         for name, want in want_map.items():
             what = f"{name} {kind} on rank {rank}"
-            _assert_transformer_close(got_map[name], want, case, what, atol32)
+            _assert_transformer_close(got_map[name], want, case, what, float32)
 
 
 def _check_transformer(world: World, case: TransformerCase) -> None:

@@ -17,6 +17,32 @@ def test_equal_arrays_pass_and_nan_equals_nan() -> None:
     parity.assert_array_equal(np.array([1.0, np.nan]), np.array([1.0, np.nan]), what="x")
 
 
+@pytest.mark.parametrize(
+    ("actual", "expected"),
+    [([np.nan], [1.0]), ([1.0], [np.nan]), ([np.inf], [1.0]), ([np.inf], [-np.inf])],
+    ids=["nan-got", "nan-should", "inf-got", "opposite-infs"],
+)
+def test_assert_close_never_lets_a_non_finite_difference_through(
+    actual: list[float], expected: list[float]
+) -> None:
+    # ``|nan - x| > tol`` is False: a NaN result used to pass any tolerance.
+    with pytest.raises(AssertionError, match="1 of 1 elements outside"):
+        parity.assert_close(
+            np.array(actual),
+            np.array(expected),
+            rtol=1e-3,
+            atol=1e-3,
+            dtype="float32",
+            what="x",
+            why="reordered sums",
+        )
+
+
+def test_assert_close_accepts_the_same_non_finite_values_on_both_sides() -> None:
+    same = np.array([np.nan, np.inf, -np.inf, 1.0])
+    parity.assert_close(same, same.copy(), rtol=0, atol=0, dtype="float32", what="x", why="exact")
+
+
 def test_shape_mismatch_names_both_shapes() -> None:
     with parity.collecting():
         parity.attach("call()")
@@ -75,25 +101,122 @@ def test_metrics_of_exact_and_empty_arrays_are_zero() -> None:
     assert parity.error_metrics(np.zeros(0), np.zeros(0), "float32").max_abs == 0
 
 
-def test_record_keeps_the_worst_value_per_name() -> None:
+def _close(
+    actual: list[float], expected: list[float], *, rtol: float, atol: float, name: str = "grad"
+) -> None:
+    parity.assert_close(
+        np.array(actual),
+        np.array(expected),
+        rtol=rtol,
+        atol=atol,
+        dtype="float64",
+        what="w",
+        why="r",
+        record_as=name,
+    )
+
+
+def test_record_keeps_the_worst_comparison_per_name_whole() -> None:
     with parity.collecting() as log:
-        parity.record("grad", parity.ErrorMetrics(1.0, 0.5, 2.0), rtol=1e-6, atol=0.0)
-        parity.record("grad", parity.ErrorMetrics(0.5, 0.7, 1.0), rtol=1e-5, atol=0.0)
+        # 1e-3 off at |b| = 1 under rtol 1e-2: a tenth of its allowance
+        _close([1.001, 4.0], [1.0, 4.0], rtol=1e-2, atol=0.0)
+        # less off, but 2e-4 against an allowance of 2.5e-4: the worst, kept whole (no
+        # max_abs of the first with the rtol of this one)
+        _close([0.0102, 4.0], [0.01, 4.0], rtol=1e-2, atol=1.5e-4)
+        _close([1.0, 1.0], [1.0, 1.0], rtol=1e-9, atol=1e-12, name="step")
+    assert log.metrics == {
+        "grad": {
+            "max_abs": pytest.approx(2e-4),
+            "max_rel": pytest.approx(0.02),
+            "max_ulp": pytest.approx(2e-4 / 2**-7 / 2**-52),
+            "rtol": 1e-2,
+            "atol": 1.5e-4,
+            "allowance_used": pytest.approx(0.8),
+            "outside": 0,
+            "elements": 2,
+        },
+        "step": {
+            "max_abs": 0.0,
+            "max_rel": 0.0,
+            "max_ulp": 0.0,
+            "rtol": 1e-9,
+            "atol": 1e-12,
+            "allowance_used": 0.0,
+            "outside": 0,
+            "elements": 2,
+        },
+    }
+
+
+def test_a_failed_comparison_is_recorded_with_its_verdict() -> None:
+    with parity.collecting() as log:
+        _close([1.0, 2.0, 3.0], [1.0, 2.0, 3.0], rtol=1e-6, atol=0.0)
+        with pytest.raises(AssertionError, match="2 of 3 elements outside"):
+            _close([1.5, 2.0, 0.7], [1.0, 2.0, 0.5], rtol=1e-6, atol=0.1)
+        _close([1.0], [1.0], rtol=1e-6, atol=0.0)
+    grad = log.metrics["grad"]
+    assert (grad["outside"], grad["elements"]) == (2, 3)
+    assert grad["allowance_used"] == pytest.approx(0.5 / (0.1 + 1e-6))
+    assert parity.Verdict.read(grad) == parity.Verdict(grad["allowance_used"], 2, 3)
+
+
+def test_an_exact_criterion_that_fails_used_an_infinite_share() -> None:
+    with parity.collecting() as log, pytest.raises(AssertionError):
+        _close([1.0, 2.0], [1.0, 2.5], rtol=0.0, atol=0.0)
+    assert log.metrics["grad"]["allowance_used"] == math.inf
+
+
+def test_a_float32_multiple_is_recorded_with_what_atol_was_built_on() -> None:
+    basis = parity.Float32Multiple(multiple=32.0, error=2.0**-20)
+    with parity.collecting() as log:
         parity.assert_close(
-            np.ones(2),
-            np.ones(2),
-            rtol=1e-9,
-            atol=1e-12,
-            dtype="float64",
+            np.array([1.0 + 2.0**-16]),
+            np.array([1.0]),
+            rtol=0.0,
+            atol=32 * 2.0**-20 + 1e-6,
+            dtype="float32",
             what="w",
             why="r",
-            record_as="step",
+            record_as="out",
+            atol_from=basis,
         )
-    assert log.metrics == {
-        "grad": {"max_abs": 1.0, "max_rel": 0.7, "max_ulp": 2.0, "rtol": 1e-5, "atol": 0.0},
-        "step": {"max_abs": 0.0, "max_rel": 0.0, "max_ulp": 0.0, "rtol": 1e-9, "atol": 1e-12},
-    }
-    parity.record("ignored outside collecting", parity.ErrorMetrics(0, 0, 0), rtol=0, atol=0)
+    recorded = log.metrics["out"]
+    assert (recorded["float32_multiple"], recorded["float32_error"]) == (32.0, 2.0**-20)
+    assert parity.Verdict.read(recorded) == parity.Verdict(
+        recorded["allowance_used"], 0, 1, float32=basis
+    )
+
+
+def test_an_atol_below_the_multiple_it_names_is_refused() -> None:
+    with pytest.raises(InvalidArgument, match=r"atol=0\.001 must be >= 32 x 0\.0001"):
+        parity.assert_close(
+            np.ones(1),
+            np.ones(1),
+            rtol=0.0,
+            atol=1e-3,
+            dtype="float32",
+            what="w",
+            why="r",
+            atol_from=parity.Float32Multiple(32.0, 1e-4),
+        )
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"max_abs": 0.0, "max_rel": 0.0, "rtol": 0.0, "atol": 0.0},  # written before verdicts
+        {"allowance_used": "0.5", "outside": 0, "elements": 2},
+        {"allowance_used": 0.5, "outside": -1, "elements": 2},
+        {"allowance_used": 0.5, "outside": True, "elements": 2},
+        {"allowance_used": 0.5, "outside": 0.5, "elements": 2},
+    ],
+)
+def test_a_record_without_a_readable_verdict_reads_as_none(fields: dict[str, object]) -> None:
+    assert parity.Verdict.read(fields) is None
+
+
+def test_nothing_is_recorded_outside_collecting() -> None:
+    _close([1.0], [1.0], rtol=0.0, atol=0.0)  # no log to keep it in: no error either
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,14 @@
-"""Parity of distributed against reference values: per spec and comparison, the worst error
-over every test, and the geometry of its chart (log-scale bars of ``max_rel`` with the
-``rtol`` each comparison was held to). The template draws the SVG from these numbers."""
+"""Parity of distributed against reference values: per spec and comparison, the worst
+comparison over every test, shown with the criterion it was held to and coloured by the
+verdict that criterion gave (``harness.parity.Verdict``, recorded with the comparison).
+
+Every criterion is ``|a − b| <= atol + rtol·|b|`` elementwise (a: distributed, b: reference),
+its ``atol`` sometimes a multiple of one device's float32 error and both zero for an exact
+one, so the chart puts them on one scale: how much of what its criterion allowed the worst
+element used (log scale), the criterion's limit at 1×. A record written before comparisons
+carried their verdict says "criterion not recorded" and takes neither colour: its figures
+are maxima taken separately, which no criterion can be read from. The template draws the
+SVG from these numbers."""
 
 from __future__ import annotations
 
@@ -8,7 +16,9 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
+from harness.parity import Verdict
 from harness.report.model import column_of
 from harness.report.records import Metric, Record
 
@@ -18,31 +28,44 @@ PLOT_X = 330
 PLOT_W = 520
 VALUE_X = PLOT_X + PLOT_W + 12
 TOP = 34
-ROW_H = 20
+ROW_H = 34
 HEAD_H = 22
+
+Judged = Literal["within", "outside", "unrecorded"]
+NOT_RECORDED = "criterion not recorded"
 
 
 @dataclass(frozen=True)
 class ParityRow:
-    """The worst of one comparison (``name``) of one spec over every test that made it."""
+    """The worst of one comparison (``name``) of one spec over every test that made it:
+    ``worst`` with the criterion it was held to and that criterion's verdict."""
 
     spec: str
     name: str
     worst: Metric
     worst_in: str
     tests: int
-    max_ulp: float | None
+    held: Verdict | None
+    """The verdict recorded with ``worst``; None for an old record."""
+    criterion: str
+    verdict: Judged
+    outside: str | None
+    """``n of m elements`` outside the criterion; None when within or not recorded."""
 
 
 @dataclass(frozen=True)
 class Bar:
+    """One comparison's row of the chart: a bar as long as the share of its allowance the
+    worst element used, or ``note`` where there is no bar to draw; ``detail`` (the
+    criterion and the worst comparison's figures) goes under it."""
+
     y: float
     label: str
     width: float
-    tol_x: float | None
-    exact: bool
-    within: bool
+    note: str | None
+    verdict: Judged
     value: str
+    detail: str
 
 
 @dataclass(frozen=True)
@@ -67,6 +90,8 @@ class Chart:
     label_x: int
     top: int
     bottom: float
+    limit_x: float
+    """Where the criterion's limit (1× the allowance) is."""
     headings: tuple[Heading, ...]
     bars: tuple[Bar, ...]
     ticks: tuple[Tick, ...]
@@ -75,7 +100,7 @@ class Chart:
 @dataclass(frozen=True)
 class Parity:
     rows: tuple[ParityRow, ...]
-    chart: Chart | None
+    chart: Chart
 
 
 def fmt(value: float | None) -> str:
@@ -91,8 +116,58 @@ def fmt(value: float | None) -> str:
     return f"{value:.4g}"
 
 
-def _worse(a: Metric, b: Metric) -> bool:
-    return (not a.within, a.max_rel, a.max_abs) > (not b.within, b.max_rel, b.max_abs)
+def recorded(metric: Metric) -> Verdict | None:
+    """The verdict recorded with ``metric`` (read with ``Verdict.read``); None for a record
+    that carries none."""
+    return metric.verdict
+
+
+def verdict(metric: Metric) -> Judged:
+    """What the comparison's criterion gave; ``unrecorded`` for an old record."""
+    held = recorded(metric)
+    if held is None:
+        return "unrecorded"
+    return "within" if held.within else "outside"
+
+
+def criterion(metric: Metric) -> str:
+    """The criterion the comparison was held to, its tolerances written in:
+    ``|a−b| ≤ 1.00e-06 + 1.00e-04·|b|``, ``|a−b| ≤ 32 × one device's float32 error
+    (9.54e-07) + 1.00e-06``, ``exact: a = b``."""
+    held, rtol, atol = recorded(metric), metric.rtol, metric.atol
+    if held is None or rtol is None or atol is None:
+        return NOT_RECORDED
+    if rtol == 0 and atol == 0:
+        return "exact: a = b"
+    terms = []
+    if held.float32 is not None:
+        built_on = held.float32.multiple * held.float32.error
+        terms.append(
+            f"{fmt(held.float32.multiple)} × one device's float32 error ({fmt(held.float32.error)})"
+        )
+        if atol > built_on:
+            terms.append(fmt(atol - built_on))
+    elif atol > 0:
+        terms.append(fmt(atol))
+    if rtol > 0:
+        terms.append(f"{fmt(rtol)}·|b|")
+    return "|a−b| ≤ " + " + ".join(terms)
+
+
+def _outside(metric: Metric) -> str | None:
+    held = recorded(metric)
+    if held is None or held.within:
+        return None
+    return f"{held.outside} of {held.elements} elements"
+
+
+def _severity(metric: Metric) -> tuple[float, ...]:
+    """Orders comparisons worst last: outside, then not recorded, then within; among those,
+    by the share of its allowance used (an old record has only its raw errors)."""
+    held = recorded(metric)
+    if held is None:
+        return (1, metric.max_rel, metric.max_abs)
+    return (0 if held.within else 2, held.allowance_used, metric.max_rel, metric.max_abs)
 
 
 def rows(records: Sequence[Record]) -> tuple[ParityRow, ...]:
@@ -104,9 +179,8 @@ def rows(records: Sequence[Record]) -> tuple[ParityRow, ...]:
     for (spec, name), pairs in sorted(grouped.items()):
         worst, where = pairs[0]
         for metric, record in pairs[1:]:
-            if _worse(metric, worst):
+            if _severity(metric) > _severity(worst):
                 worst, where = metric, record
-        ulps = [m.max_ulp for m, _ in pairs if m.max_ulp is not None]
         out.append(
             ParityRow(
                 spec=spec,
@@ -114,36 +188,64 @@ def rows(records: Sequence[Record]) -> tuple[ParityRow, ...]:
                 worst=worst,
                 worst_in=column_of(where).label,
                 tests=len(pairs),
-                max_ulp=max(ulps) if ulps else None,
+                held=recorded(worst),
+                criterion=criterion(worst),
+                verdict=verdict(worst),
+                outside=_outside(worst),
             )
         )
     return tuple(out)
 
 
-def _decades(table: Sequence[ParityRow]) -> tuple[int, int] | None:
-    values = [r.worst.max_rel for r in table] + [r.worst.rtol or 0.0 for r in table]
-    positive = [v for v in values if v > 0 and math.isfinite(v)]
-    if not positive:
-        return None
-    lo = math.floor(math.log10(min(positive))) - 1  # the smallest bar stays visible
-    hi = max(math.ceil(math.log10(max(positive))), lo + 1)
+def _decades(table: Sequence[ParityRow]) -> tuple[int, int]:
+    """The chart's range in decades: every finite share used and the limit (1×) inside."""
+    used = [r.held.allowance_used for r in table if r.held is not None]
+    positive = [v for v in used if v > 0 and math.isfinite(v)] + [1.0]
+    lo = min(math.floor(math.log10(min(positive))) - 1, -1)  # the smallest bar stays visible
+    hi = max(math.ceil(math.log10(max(positive))), 1)
     return lo, hi
 
 
 def _ticks(lo: int, hi: int) -> tuple[Tick, ...]:
     step = max(1, math.ceil((hi - lo) / 10))
     span = hi - lo
-    return tuple(Tick(PLOT_X + PLOT_W * (d - lo) / span, f"1e{d}") for d in range(lo, hi + 1, step))
+    return tuple(
+        Tick(PLOT_X + PLOT_W * (d - lo) / span, f"{10.0**d:g}×") for d in range(lo, hi + 1, step)
+    )
 
 
-def chart(table: Sequence[ParityRow]) -> Chart | None:
-    """Bars grouped by spec; ``None`` when every error and tolerance is zero."""
-    bounds = _decades(table)
-    if bounds is None:
-        return None
-    lo, hi = bounds
+def _detail(row: ParityRow) -> str:
+    m = row.worst
+    figures = f"max abs {fmt(m.max_abs)} · max rel {fmt(m.max_rel)}"
+    if row.verdict == "unrecorded":
+        return f"{figures} · rtol {fmt(m.rtol)} · atol {fmt(m.atol)} (maxima taken separately)"
+    outside = f" · {row.outside} outside" if row.outside else ""
+    return f"{row.criterion}{outside} · {figures}"
+
+
+def _bar(row: ParityRow, y: float, x: float) -> Bar:
+    """``x``: the bar's length in the plot for a share used; used only for a bar drawn."""
+    held = row.held
+    width, note, value = 0.0, None, "—"
+    if held is None:
+        note = NOT_RECORDED
+    elif held.allowance_used == 0:
+        note, value = "exact (0)", "0×"
+    elif math.isinf(held.allowance_used):  # a difference where nothing was allowed
+        width, value = PLOT_W, "OUTSIDE"
+    else:
+        width = max(x, 2.0)
+        value = f"{fmt(held.allowance_used)}×" + (" OUTSIDE" if row.verdict == "outside" else "")
+    return Bar(y, row.name, width, note, row.verdict, value, _detail(row))
+
+
+def chart(table: Sequence[ParityRow]) -> Chart:
+    """Bars grouped by spec (``table`` holds at least one comparison)."""
+    lo, hi = _decades(table)
 
     def x(value: float) -> float:
+        if not value > 0:
+            return 0.0
         clipped = min(max(math.log10(value), lo), hi)
         return PLOT_W * (clipped - lo) / (hi - lo)
 
@@ -152,20 +254,7 @@ def chart(table: Sequence[ParityRow]) -> Chart | None:
         if index == 0 or table[index - 1].spec != row.spec:
             headings.append(Heading(y + 15, row.spec))
             y += HEAD_H
-        metric = row.worst
-        exact = metric.max_rel <= 0 or not math.isfinite(metric.max_rel)
-        rtol = metric.rtol
-        bars.append(
-            Bar(
-                y=y,
-                label=row.name,
-                width=0.0 if exact else max(x(metric.max_rel), 2.0),
-                tol_x=PLOT_X + x(rtol) if rtol and rtol > 0 else None,
-                exact=exact,
-                within=metric.within,
-                value=f"{fmt(metric.max_rel)} (rtol {fmt(rtol)})",
-            )
-        )
+        bars.append(_bar(row, y, x(row.held.allowance_used) if row.held is not None else 0.0))
         y += ROW_H
     bottom = y + 6
     return Chart(
@@ -177,6 +266,7 @@ def chart(table: Sequence[ParityRow]) -> Chart | None:
         label_x=LABEL_X,
         top=TOP,
         bottom=bottom,
+        limit_x=PLOT_X + x(1.0),
         headings=tuple(headings),
         bars=tuple(bars),
         ticks=_ticks(lo, hi),

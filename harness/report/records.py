@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import ReportError as ReportError  # re-exported: callers import it here
+from harness.parity import Verdict
 from harness.results import STATUSES, Results, is_unexpected, read_results
 
 
@@ -27,10 +28,16 @@ class Metric:
     max_ulp: float | None
     rtol: float | None
     atol: float | None
+    verdict: Verdict | None = None
+    """What the criterion ``|a - b| <= atol + rtol * |b|`` gave, recorded with the
+    comparison; None in a record written before comparisons carried it."""
 
     @property
     def within(self) -> bool:
-        """Whether the error is inside the tolerance it was held to (abs or rel)."""
+        """The recorded verdict; for an old record, whether the error is inside the
+        tolerance it was held to (abs or rel)."""
+        if self.verdict is not None:
+            return self.verdict.within
         if self.rtol is None and self.atol is None:
             return True
         return (self.atol is not None and self.max_abs <= self.atol) or (
@@ -94,6 +101,8 @@ class SourceFile:
     tests: int
     bad_lines: tuple[int, ...]
     replaced_bytes: bool
+    unfinished: tuple[str, ...] = ()
+    """Tests that started and recorded no outcome: the session died running them."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +157,7 @@ def _metrics(value: Any) -> tuple[Metric, ...]:
                 max_ulp=_float(fields.get("max_ulp")),
                 rtol=_float(fields.get("rtol")),
                 atol=_float(fields.get("atol")),
+                verdict=Verdict.read(fields),
             )
         )
     return tuple(metrics)
@@ -243,6 +253,11 @@ def _file_warnings(source: SourceFile) -> list[str]:
         warnings.append(
             f"{source.path}: no end record: the run did not finish, results are partial"
         )
+    if source.unfinished:
+        warnings.append(
+            f"{source.path}: started and recorded no outcome (the session died running it): "
+            + ", ".join(source.unfinished)
+        )
     injected = (source.header or {}).get("faults")
     if injected:
         warnings.append(
@@ -264,6 +279,7 @@ def load(paths: Sequence[Path]) -> Loaded:
             tests=len(results.tests),
             bad_lines=tuple(results.bad_lines),
             replaced_bytes=results.replaced_bytes,
+            unfinished=tuple(results.unfinished),
         )
         files.append(source)
         warnings += _file_warnings(source)
@@ -272,7 +288,7 @@ def load(paths: Sequence[Path]) -> Loaded:
             records.append(record)
             if warning:
                 warnings.append(warning)
-    if not records:
+    if not records and not any(f.unfinished for f in files):
         names = ", ".join(f.path for f in files)
         raise ReportError(f"no test records in {names}: nothing ran, so there is nothing to report")
     return Loaded(tuple(files), tuple(records), tuple(warnings))
