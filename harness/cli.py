@@ -54,7 +54,11 @@ def _run(args: argparse.Namespace) -> int:
     from harness import session
 
     junit = Path(args.junit) if args.junit else None
-    return session.run(_config(args, junit=junit), extra=args.pytest_args)
+    config = _config(args, junit=junit)
+    try:
+        return session.run(config, extra=args.pytest_args)
+    except InvalidArgument as exc:  # the machine refused the options (session.run checks it)
+        raise as_option(exc) from None
 
 
 def _config(args: argparse.Namespace, **more: Any) -> RunConfig:

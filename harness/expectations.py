@@ -71,7 +71,14 @@ class Expectation:
 
 
 def load(directory: Path = DEFAULT_DIR) -> list[Expectation]:
-    """Every entry of every ``*.toml`` in ``directory`` (none if it does not exist)."""
+    """Every entry of every ``*.toml`` in ``directory``; a directory that is not there is an
+    error (a mistyped path must not read as "torch has no known deviation")."""
+    if not directory.is_dir():
+        raise ExpectationError(
+            f"expectations directory {str(directory)!r} does not exist: it must be a directory "
+            "of *.toml known-deviation files (distconf_expectations; an empty directory means "
+            "no known deviations)"
+        )
     entries: list[Expectation] = []
     for path in sorted(directory.glob("*.toml")):
         try:

@@ -7,11 +7,15 @@ A results file is one JSON object per line, each with a ``kind``:
   (``+dirty`` when uncommitted), ``argv``, and the run's ``runner``, ``world_sizes``,
   ``device``, ``profile``, ``seed``, ``derandomize``, ``max_examples``, and ``faults`` (the
   fault IDs injected: a mutation run, not a conformance verdict).
+- ``start`` (before each test runs): ``nodeid``. A start with no ``test`` record after it
+  names the test that was running when the session died.
 - ``test`` (one per test outcome): the fields of ``TestRecord``.
-- ``end`` (last, only when the session finished): ``finished``, ``duration``, ``exitstatus``.
+- ``end`` (last, only when the session finished): ``finished``, ``duration``, ``exitstatus``
+  (pytest's) and, when the session was interrupted, ``interrupted`` (why).
 
 Every record is flushed as it is written, so a run that is interrupted or crashes keeps every
-record written before; a missing ``end`` record tells the reader so.
+record written before; a missing ``end`` record tells the reader so. ``run_verdict`` is the
+one reading of a run's files: passed, failed, interrupted, crashed, partial or nothing ran.
 """
 
 from __future__ import annotations
@@ -29,9 +33,23 @@ from typing import Any, TextIO
 
 from harness.errors import DistconfError, check_one_of
 
-SCHEMA = 1
+SCHEMA = 2
+"""2 added ``start`` records and the end record's ``interrupted``; 1 is read as well."""
 STATUSES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed", "timeout", "crashed")
 UNEXPECTED = ("failed", "error", "xpassed", "timeout", "crashed")
+SEVERITY = ("crashed", "timeout", "error", "failed", "xpassed", "xfailed", "skipped", "passed")
+"""Worst first."""
+TITLES = {
+    "passed": "passed",
+    "failed": "failed",
+    "xfailed": "expected failure",
+    "xpassed": "unexpected pass",
+    "skipped": "skipped",
+    "error": "error",
+    "timeout": "timeout",
+    "crashed": "crashed",
+}
+"""The words for each status."""
 
 
 def is_unexpected(record: dict[str, Any]) -> bool:
@@ -171,6 +189,9 @@ class ResultsWriter:
         data["falsifying_example"] = _clip(record.falsifying_example)
         self._write(data)
 
+    def write_start(self, nodeid: str) -> None:
+        self._write({"kind": "start", "nodeid": nodeid})
+
     def close(self, **end: Any) -> None:
         if self._file is not None:
             finished = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -197,6 +218,14 @@ class Results:
     bad_lines: list[int]
     replaced_bytes: bool = False
     """Some bytes were not UTF-8 and were read as U+FFFD."""
+    started: list[str] = field(default_factory=list)
+    """The node IDs of the ``start`` records, in order."""
+
+    @property
+    def unfinished(self) -> list[str]:
+        """Tests that started but recorded no outcome: the session died while running them."""
+        finished = {record.get("nodeid") for record in self.tests}
+        return [nodeid for nodeid in self.started if nodeid not in finished]
 
 
 def read_results(path: Path) -> Results:
@@ -207,7 +236,7 @@ def read_results(path: Path) -> Results:
         text, replaced = raw.decode("utf-8"), False
     except UnicodeDecodeError:
         text, replaced = raw.decode("utf-8", errors="replace"), True
-    header, end, tests, bad = None, None, [], []
+    header, end, tests, bad, started = None, None, [], [], []
     for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
@@ -223,6 +252,8 @@ def read_results(path: Path) -> Results:
             end = record
         elif kind == "test":
             tests.append(record)
+        elif kind == "start" and isinstance(record.get("nodeid"), str):
+            started.append(record["nodeid"])
         else:
             bad.append(number)
-    return Results(header, tests, end, bad, replaced)
+    return Results(header, tests, end, bad, replaced, started)

@@ -8,7 +8,11 @@ properties through ``run_pytest``.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+import re
+import signal
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
@@ -16,11 +20,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from harness import catalogue
+from harness import catalogue, junit, verdict
 from harness.config import RunConfig, suite_paths
 from harness.errors import ReportError
 from harness.profiles import needs_seed
 from harness.results import UNEXPECTED, is_unexpected, read_results
+from harness.runners.capacity import check_capacity
+from harness.verdict import RunVerdict
 
 RESULTS = "results.jsonl"
 """The results file of a run under ``config.out`` (``results.gwN.jsonl`` per xdist worker)."""
@@ -75,6 +81,41 @@ def run_pytest(config: RunConfig, *, tests: Sequence[str] = (), extra: Sequence[
     return int(pytest.main(pytest_arguments(config, tests=tests, extra=extra)))
 
 
+def pytest_in_child(arguments: Sequence[str]) -> int:
+    """pytest in a forked child; its exit code (negative: the signal that ended it).
+
+    Whatever ends the child (``os._exit`` in a rank thread, a signal, memory), this process
+    lives on to read the records and give the verdict. The child has a process group of its
+    own, so that a Ctrl-C reaches it once, forwarded from here, and pytest can close its
+    Worlds and write the end record that says the run was interrupted."""
+    import pytest
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    child = os.fork()
+    if child == 0:
+        code = 3  # pytest's internal error, should pytest.main itself raise
+        try:
+            os.setpgid(0, 0)
+            code = int(pytest.main(list(arguments)))
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    def forward(signum: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        _, status = os.waitpid(child, 0)  # retried after each forwarded signal (PEP 475)
+        return os.waitstatus_to_exitcode(status)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def with_seed(config: RunConfig) -> RunConfig:
     """A random profile's run must still be reproducible: draw a seed and say it."""
     if config.seed is not None or not needs_seed(config.profile):
@@ -86,11 +127,15 @@ def with_seed(config: RunConfig) -> RunConfig:
 
 def run(config: RunConfig, *, extra: Sequence[str] = ()) -> int:
     """``python -m harness run``: the suites, a row per spec, ``report.html``; the exit code
-    (non-zero on any unexpected outcome, or when the run wrote no results)."""
+    of the run's verdict (``harness.verdict``), or pytest's where pytest refused to run.
+
+    Everything is checked before anything is written: the options (``RunConfig``), the
+    device and the world sizes this machine can hold. An earlier run's records in
+    ``config.out`` are moved aside (``keep_earlier``), never deleted."""
+    check_capacity(config.runner, config.device, config.world_sizes)
     config = with_seed(config)
-    for stale in config.out.glob("results*.jsonl"):  # never summarise an earlier run's records
-        stale.unlink()
-    exit_code = run_pytest(config, extra=extra)
+    keep_earlier(config.out)
+    exit_code = pytest_in_child(pytest_arguments(config, extra=extra))
     files = sorted(config.out.glob("results*.jsonl"))
     if not files:
         print(
@@ -99,11 +144,32 @@ def run(config: RunConfig, *, extra: Sequence[str] = ()) -> int:
             file=sys.stderr,
         )
         return exit_code or 3
-    unexpected = summarise(files)
+    judged = summarise(files)
+    if config.junit is not None:
+        junit.add_verdict(config.junit, judged)
     report_code = write_report(files, config.out / "report.html")
-    if exit_code == 0 and (unexpected or report_code):
-        return 1
-    return exit_code
+    return judged.exit_code or exit_code or report_code
+
+
+def keep_earlier(out: Path) -> Path | None:
+    """Move an earlier run's records and report in ``out`` to ``out/earlier/<its start>/``,
+    so that a new run never summarises them and never loses them; where they went."""
+    earlier = sorted(out.glob("results*.jsonl")) if out.is_dir() else []
+    if not earlier:
+        return None
+    header = read_results(earlier[0]).header or {}
+    stamp = re.sub(r"[^0-9A-Za-z]+", "-", str(header.get("started") or "unknown")).strip("-")
+    target = out / "earlier" / stamp
+    suffix = 1
+    while target.exists():
+        suffix += 1
+        target = out / "earlier" / f"{stamp}-{suffix}"
+    target.mkdir(parents=True)
+    for path in [*earlier, out / "report.html"]:
+        if path.exists():
+            path.rename(target / path.name)
+    print(f"distconf: the earlier run's records in {out} were moved to {target}")
+    return target
 
 
 def write_report(files: list[Path], html: Path, mutation_table: Path | None = None) -> int:
@@ -119,8 +185,8 @@ def write_report(files: list[Path], html: Path, mutation_table: Path | None = No
     return 0
 
 
-def summarise(paths: list[Path]) -> int:
-    """Print a row per spec (status per world size); return the number of unexpected outcomes."""
+def summarise(paths: list[Path]) -> RunVerdict:
+    """Print a row per spec (status per world size) and the run's verdict; return it."""
     read = {path: read_results(path) for path in paths}
     tests = [record for results in read.values() for record in results.tests]
     rows: dict[str, dict[Any, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
@@ -135,7 +201,6 @@ def summarise(paths: list[Path]) -> int:
     )
     print(header)
     print("-" * len(header))
-    unexpected = 0
     for spec in sorted(rows):
         cells, examples, seconds = [], 0, 0.0
         for size in sizes:
@@ -143,7 +208,6 @@ def summarise(paths: list[Path]) -> int:
             statuses = sorted(
                 {r["status"] for r in records}, key=lambda s: (s not in UNEXPECTED, s)
             )
-            unexpected += sum(is_unexpected(r) for r in records)
             examples += sum(r.get("examples") or 0 for r in records)
             seconds += sum(r.get("duration") or 0.0 for r in records)
             cells.append("+".join(statuses) or "-")
@@ -153,5 +217,8 @@ def summarise(paths: list[Path]) -> int:
             print(f"warning: unreadable lines in {path}: {results.bad_lines}")
         if results.end is None:
             print(f"warning: {path} has no end record: the run did not finish, results are partial")
+    unexpected = sum(map(is_unexpected, tests))
     print(f"{unexpected} unexpected outcome(s)")
-    return unexpected
+    judged = verdict.of_results([(str(path), results) for path, results in read.items()])
+    print(f"verdict: {judged.kind}: {judged.text}")
+    return judged

@@ -69,8 +69,8 @@ def test_run_writes_one_record_per_spec_and_world_size(tmp_path):
     assert "placements.redistribute.roundtrip" in done.stdout
 
 
-def test_run_rejects_an_unknown_suite():
-    done = _python("-m", "harness", "run", "--suite", "nope")
+def test_run_rejects_an_unknown_suite(tmp_path):
+    done = _python("-m", "harness", "run", "--suite", "nope", "--out", str(tmp_path / "out"))
     assert done.returncode != 0
     suites = tuple(sorted({spec.suite for spec in catalogue.load().values()}))
     assert f"--suite='nope' must be one of {suites!r}" in done.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from harness.plugin import gpus
 
@@ -84,16 +85,18 @@ def test_require_gpus_turns_those_skips_into_failures(pytester, monkeypatch, pro
     run.stdout.fnmatch_lines(["*needs 2 GPU(s); this process holds 0 (--require-gpus)*"])
 
 
-def test_cuda_worlds_skip_when_the_process_holds_too_few_gpus(pytester, monkeypatch):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without a CUDA GPU")
+def test_cuda_without_a_gpu_is_refused_before_anything_runs(pytester, monkeypatch, tmp_path):
+    # A run whose every test skipped for want of the device used to end "All conformant".
     monkeypatch.setenv("DISTCONF_SIMULATED_GPUS", "0")
-    pytester.makepyfile(test_w="def test_w(world):\n    pass\n")
+    ran = tmp_path / "ran"
+    pytester.makepyfile(test_w=f"def test_w(world):\n    open({str(ran)!r}, 'w').close()\n")
     run = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "--device=cuda", "--runner=processes", "--world-sizes=2", "-rs"
+        "-p", "no:cacheprovider", "--device=cuda", "--runner=processes", "--world-sizes=2"
     )
-    run.assert_outcomes(skipped=1)
-    run.stdout.fnmatch_lines(
-        ["*a processes World of 2 on cuda needs 2 GPU(s); this process holds 0*"]
-    )
+    assert run.ret == pytest.ExitCode.USAGE_ERROR
+    run.stderr.fnmatch_lines(["*--device='cuda' must be a device this machine has*"])
+    assert not ran.exists()
 
 
 @pytest.mark.parametrize(

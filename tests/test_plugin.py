@@ -59,6 +59,7 @@ def project(pytester):
     )
     pytester.makefile(".toml", catalogue=CATALOGUE)
     pytester.mkdir("conformance")
+    pytester.mkdir("expectations")
     return pytester
 
 
@@ -67,7 +68,9 @@ def _suite(project, source):
 
 
 def _records(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    """The header, test and end records (``start`` records are checked on their own)."""
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    return [record for record in records if record["kind"] != "start"]
 
 
 def test_world_fixture_runs_each_test_at_every_world_size(project):
@@ -482,3 +485,45 @@ def test_worlds_fixture_serves_the_sessions_other_sizes_and_reproduces_with_them
     assert "--world-sizes=1,3" in tests["demo.sum", 1]["reproduce"]
     assert "test_sum[threads-ws1-cpu]" in tests["demo.sum", 1]["reproduce"]
     assert "--world-sizes=3 " in tests["demo.rank", 3]["reproduce"]
+
+
+def test_an_unknown_spec_outside_the_suites_is_a_usage_error(project):
+    _suite(project, GOOD_SUITE)
+    project.makepyfile(
+        test_elsewhere="""
+        import pytest
+
+        @pytest.mark.spec("demo.nosuch")
+        def test_checks_nothing_known():
+            pass
+        """
+    )
+    run = project.runpytest_subprocess("-p", "no:cacheprovider", "test_elsewhere.py")
+    assert run.ret == pytest.ExitCode.USAGE_ERROR
+    run.stderr.fnmatch_lines(
+        ["*test_elsewhere.py::test_checks_nothing_known names unknown spec ID 'demo.nosuch'*"]
+    )
+
+
+def test_a_missing_expectations_directory_is_a_usage_error(project):
+    _suite(project, GOOD_SUITE)
+    project.makeini(
+        "[pytest]\ndistconf_catalogue = catalogue.toml\ndistconf_suites = conformance\n"
+        "distconf_expectations = expectatoins\n"
+    )
+    run = project.runpytest_subprocess("-p", "no:cacheprovider", "--world-sizes=2")
+    assert run.ret == pytest.ExitCode.USAGE_ERROR
+    run.stderr.fnmatch_lines(["*expectations directory '*expectatoins' does not exist*"])
+
+
+def test_start_records_name_each_test_before_its_outcome(project):
+    _suite(project, GOOD_SUITE)
+    results = project.path / "r.jsonl"
+    run = project.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--world-sizes=2", f"--distconf-results={results}"
+    )
+    run.assert_outcomes(passed=2)
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    kinds = [(r["kind"], r.get("nodeid")) for r in records[1:-1]]
+    tests = [nodeid for kind, nodeid in kinds if kind == "test"]
+    assert kinds == [pair for nodeid in tests for pair in (("start", nodeid), ("test", nodeid))]

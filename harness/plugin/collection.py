@@ -141,9 +141,17 @@ def check_and_mark(config: pytest.Config, items: list[pytest.Item]) -> None:
         for item in items
         if isinstance(item, pytest.Function) and _is_suite_item(item, suites)
     }
-    if not modules:
+    elsewhere = [
+        item
+        for item in items
+        if item.get_closest_marker("spec") is not None and not _is_suite_item(item, suites)
+    ]
+    if not modules and not elsewhere:
         return
     specs = catalogue.load(options.catalogue_path(config))
+    _check_spec_ids(elsewhere, specs)
+    if not modules:
+        return
     tests = {suite: list(module_tests(module)) for suite, module in modules.items()}
     found = problems(tests, specs, suites)
     if found:
@@ -161,6 +169,24 @@ def check_and_mark(config: pytest.Config, items: list[pytest.Item]) -> None:
         )
     except expectations.ExpectationError as exc:
         raise pytest.UsageError(f"distconf: {exc}") from None
+
+
+def _check_spec_ids(items: list[pytest.Item], specs: dict[str, catalogue.Spec]) -> None:
+    """A test outside the suites that names a spec must name one the catalogue has: a
+    mistyped ID would otherwise count as a check of nothing (the suites' own tests get the
+    fuller ``problems`` check)."""
+    unknown = []
+    for item in items:
+        marker = item.get_closest_marker("spec")
+        ids = [str(a) for a in marker.args] if marker is not None else []
+        test = item.nodeid.split("[")[0]
+        unknown += [f"{test} names unknown spec ID {i!r}" for i in ids if i not in specs]
+    if unknown:
+        raise pytest.UsageError(
+            "distconf: tests name specs the catalogue does not have "
+            f"({options.catalogue_path(items[0].config)}):\n"
+            + "\n".join(f"  - {u}" for u in dict.fromkeys(unknown))
+        )
 
 
 class CheapFirst:

@@ -28,6 +28,7 @@ class DistconfSession:
         self.run = run
         self.worlds = SessionWorlds(run)
         self.writer: ResultsWriter | None = None
+        self.interrupted: str | None = None
 
     # Not at configure time: hypothesis loads --hypothesis-profile in its own configure hook.
     def pytest_sessionstart(self, session: pytest.Session) -> None:
@@ -36,7 +37,18 @@ class DistconfSession:
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         self.worlds.close()
         if self.writer is not None:
-            self.writer.close(exitstatus=int(exitstatus))
+            self.writer.close(exitstatus=int(exitstatus), interrupted=self.interrupted)
+
+    def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+        """Ctrl-C, SIGINT, or pytest stopping the session (a collection error): the end
+        record says so, whatever pytest's exit code."""
+        self.interrupted = str(excinfo.value) or excinfo.typename
+
+    def pytest_runtest_logstart(self, nodeid: str) -> None:
+        # An xdist controller replays its workers' starts; their outcomes are in the
+        # workers' files, so only a process that runs tests writes its starts.
+        if self.writer is not None and not self.config.pluginmanager.has_plugin("dsession"):
+            self.writer.write_start(nodeid)
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         self.worlds.parametrize(metafunc)

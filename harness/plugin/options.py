@@ -17,6 +17,7 @@ from harness.config import DEFAULTS, RunConfig, as_option, parse_world_sizes, sp
 from harness.errors import InvalidArgument, check_one_of
 from harness.profiles import PROFILES, needs_seed
 from harness.runners import DEVICES, RUNNERS
+from harness.runners.capacity import check_capacity
 
 
 def add(parser: pytest.Parser) -> None:
@@ -127,7 +128,7 @@ def run_config(config: pytest.Config) -> RunConfig:
 
     env = os.environ
     try:
-        return RunConfig(
+        run = RunConfig(
             runner=config.getoption("distconf_runner"),
             world_sizes=parse_world_sizes(config.getoption("distconf_world_sizes")),
             device=config.getoption("distconf_device"),
@@ -140,8 +141,13 @@ def run_config(config: pytest.Config) -> RunConfig:
             cheap_first=tuple(map(Path, _names(config.getoption("distconf_cheap_first")))),
             exitfirst=bool(config.getoption("exitfirst", False)),
         )
+        # The machine is checked once, where the run starts: an xdist worker leased GPUs
+        # (``-n gpu``) sees only its own.
+        if not hasattr(config, "workerinput"):
+            check_capacity(run.runner, run.device, run.world_sizes)
     except InvalidArgument as exc:
         raise pytest.UsageError(str(as_option(exc, _SPELLED))) from None
+    return run
 
 
 def _names(text: str | None) -> tuple[str, ...]:

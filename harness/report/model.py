@@ -16,19 +16,10 @@ from typing import Any
 
 from harness.catalogue import Spec
 from harness.report.records import Expectation, Loaded, Metric, Record, SourceFile, text
+from harness.results import SEVERITY as SEVERITY  # re-exported: the report's order of statuses
+from harness.results import TITLES as TITLES  # re-exported: the words of each status
+from harness.verdict import FileState, run_verdict
 
-SEVERITY = ("crashed", "timeout", "error", "failed", "xpassed", "xfailed", "skipped", "passed")
-"""Worst first: the status a matrix cell shows when several tests share it."""
-TITLES = {
-    "passed": "passed",
-    "failed": "failed",
-    "xfailed": "expected failure",
-    "xpassed": "unexpected pass",
-    "skipped": "skipped",
-    "error": "error",
-    "timeout": "timeout",
-    "crashed": "crashed",
-}
 LABELS = {
     "passed": "pass",
     "failed": "FAIL",
@@ -70,8 +61,8 @@ class StatusCount:
 @dataclass(frozen=True)
 class Verdict:
     kind: str
-    """``fail`` (unexpected outcomes), ``partial`` (none, but the results are incomplete) or
-    ``pass``."""
+    """A ``harness.verdict`` kind: ``interrupted``, ``crashed``, ``fail``, ``partial``,
+    ``empty`` or ``pass``."""
     headline: str
     detail: str
 
@@ -278,20 +269,15 @@ def counts(records: Sequence[Record]) -> tuple[StatusCount, ...]:
 
 
 def verdict(loaded: Loaded, covered: str) -> Verdict:
-    records = loaded.records
-    bad = Counter(r.status for r in records if r.unexpected)
-    n = sum(bad.values())
-    partial = any(f.end is None or f.bad_lines for f in loaded.files)
-    if n:
-        parts = ", ".join(f"{c} {TITLES[s]}" for s, c in sorted(bad.items(), key=_by_severity))
-        if partial:
-            parts += " · and the results are partial (see the warnings)"
-        return Verdict("fail", f"{n} unexpected outcome{'s' * (n != 1)}", parts)
-    expected = sum(r.status == "xfailed" for r in records)
-    detail = f"{len(records)} tests, {expected} known deviations held as expected; {covered}"
-    if partial:
-        return Verdict("partial", "No unexpected outcomes, but the results are partial", detail)
-    return Verdict("pass", "All conformant", detail)
+    """``harness.verdict``'s reading of the run, with what the specs covered."""
+    states = [
+        FileState(
+            f.path, dict(f.end) if f.end is not None else None, f.unfinished, len(f.bad_lines)
+        )
+        for f in loaded.files
+    ]
+    judged = run_verdict(states, [(r.status, r.unexpected) for r in loaded.records])
+    return Verdict(judged.kind, judged.headline, " · ".join((*judged.details, covered)))
 
 
 def _by_severity(item: tuple[str, int]) -> int:

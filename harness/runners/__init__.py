@@ -14,6 +14,7 @@ from harness.errors import (
     require,
 )
 from harness.runners.base import DEFAULT_TIMEOUT, AllRanksSkipped, RankFailure, RankOutcome, World
+from harness.runners.capacity import check_capacity
 
 RUNNERS = ("threads", "processes")
 """The runners; the first is the default."""
@@ -45,6 +46,7 @@ __all__ = [
     "WorldKey",
     "WorldStartError",
     "Worlds",
+    "check_capacity",
     "make_world",
     "open_world",
 ]
@@ -55,15 +57,7 @@ def _validate(runner: str, world_size: int, device: str, timeout: float) -> None
     check_int("world_size", world_size)
     check_one_of("device", device, DEVICES)
     check_seconds("timeout", timeout)
-    if device == "cuda":
-        import torch
-
-        require(
-            torch.cuda.is_available(),
-            "device",
-            device,
-            "a device this machine has, but torch.cuda.is_available() is False",
-        )
+    check_capacity(runner, device, (world_size,), name="world_size")
 
 
 def make_world(

@@ -1,0 +1,89 @@
+"""What this machine can hold: the devices present and the largest World of each runner,
+checked before a run starts anything (a World too large for the host would start, then hang
+or thrash long before any test could say so).
+
+- ``threads``: every rank is a thread of one interpreter, so a collective's rendezvous grows
+  with the world size: 1,024 ranks measured 0.5 s per trivial all-reduce on the 2-core CI
+  machine (256: 27 ms), so larger thread Worlds cannot finish a property; a quarter of the
+  user's process limit (``RLIMIT_NPROC``) bounds it further where that is lower.
+- ``processes``: every rank is a process with its own torch: on CPU at most
+  ``PROCESSES_PER_CORE`` per usable core and one per ``MEMORY_PER_RANK`` of available
+  memory; on an accelerator one GPU per rank, the GPUs visible.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from collections.abc import Iterable
+
+from harness.errors import invalid
+
+THREAD_WORLD_LIMIT = 1024
+PROCESSES_PER_CORE = 8
+MEMORY_PER_RANK = 512 * 2**20
+"""A CPU rank process with torch and a suite's models: about 300 MB resident, measured."""
+
+
+def check_device(device: str) -> None:
+    """Refuse an accelerator that this machine does not have."""
+    if device == "cpu":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise invalid(
+            "device",
+            device,
+            "a device this machine has: torch.cuda.is_available() is False "
+            f"(torch {torch.__version__}, built with CUDA {torch.version.cuda})",
+        )
+
+
+def largest_world(runner: str, device: str) -> tuple[int, str]:
+    """The largest world size ``runner`` can hold on ``device`` here, and why."""
+    if runner == "threads":
+        limit, why = THREAD_WORLD_LIMIT, "the thread runner's limit (THREAD_WORLD_LIMIT)"
+        processes = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+        if processes != resource.RLIM_INFINITY and processes // 4 < limit:
+            limit, why = processes // 4, f"a quarter of this user's process limit ({processes})"
+        return limit, why
+    if device != "cpu":
+        import torch
+
+        gpus = torch.cuda.device_count()
+        return gpus, f"one GPU per rank process, and {gpus} are visible"
+    cores = len(os.sched_getaffinity(0))
+    by_cores = PROCESSES_PER_CORE * cores
+    by_memory = _available_memory() // MEMORY_PER_RANK
+    if by_memory < by_cores:
+        return by_memory, f"one rank process per {MEMORY_PER_RANK >> 20} MB of available memory"
+    return by_cores, f"{PROCESSES_PER_CORE} rank processes per usable core ({cores} cores)"
+
+
+def check_capacity(
+    runner: str, device: str, world_sizes: Iterable[int], name: str = "world_sizes"
+) -> None:
+    """Refuse, before anything starts, a device that is absent or a World too large
+    (``name``: the argument the sizes came in)."""
+    check_device(device)
+    sizes = tuple(world_sizes)
+    if not sizes:
+        return
+    limit, why = largest_world(runner, device)
+    too_large = [size for size in sizes if size > limit]
+    if too_large:
+        shown = too_large[0] if len(too_large) == 1 else tuple(too_large)
+        raise invalid(name, shown, f"at most {limit} on the {runner} runner ({why})")
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    pages = os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else 0
+    return int(pages) * os.sysconf("SC_PAGE_SIZE") if pages else 2**40

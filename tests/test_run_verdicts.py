@@ -1,0 +1,198 @@
+"""Every way ``python -m harness run`` can end tells the truth: its exit code, its summary's
+verdict, the report's verdict and the JUnit XML agree, and a run that checked nothing, was
+interrupted or died is never green. Options are refused before anything is written, and an
+earlier run's records are never lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+ROWS = """
+import os
+import time
+
+import pytest
+
+
+def test_dies(world):
+    def body(ctx):
+        if ctx.rank == 1:
+            os._exit(0)
+        return ctx.rank
+
+    world.run(body)
+
+
+@pytest.mark.skip(reason="checks nothing")
+def test_skipped(world):
+    pass
+
+
+def test_slow(world):
+    time.sleep(120)
+
+
+def test_passes(world):
+    assert world.run(lambda ctx: ctx.rank) == list(range(world.world_size))
+"""
+
+
+def _command(tmp_path: Path, *options: str, select: str, runner: str = "threads") -> list[str]:
+    (tmp_path / "test_rows.py").write_text(ROWS)
+    return [
+        sys.executable, "-m", "harness", "run", "--runner", runner, "--suite", "uneven",
+        "--world-sizes", "2", "--profile", "dev", "--seed", "1",
+        "--out", str(tmp_path / "out"), "--junit", str(tmp_path / "out" / "junit.xml"),
+        *options, "--", str(tmp_path / "test_rows.py"), "-k", select,
+    ]  # fmt: skip
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _run(tmp_path: Path, *options: str, select: str, runner: str = "threads") -> tuple[int, str]:
+    done = subprocess.run(
+        _command(tmp_path, *options, select=select, runner=runner),
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=_env(), check=False,
+    )  # fmt: skip
+    return done.returncode, done.stdout + done.stderr
+
+
+def _verdicts(out: Path) -> tuple[str, str]:
+    """The report's verdict class and the JUnit verdict property."""
+    html = (out / "report.html").read_text()
+    kind = html.split('<section class="verdict ', 1)[1].split('"', 1)[0]
+    suite = ElementTree.parse(out / "junit.xml").getroot().iter("testsuite").__next__()
+    junit = {p.get("name"): p.get("value") for p in suite.iter("property")}
+    return kind, junit["distconf_verdict"]
+
+
+def test_a_rank_thread_ending_the_process_is_a_crash_naming_the_test(tmp_path):
+    code, output = _run(tmp_path, select="dies")
+    assert code == 3, output[-3000:]
+    assert "verdict: crashed: Crashed while running" in output
+    assert "test_dies[threads-ws2-cpu]" in output
+    assert _verdicts(tmp_path / "out") == ("crashed", "crashed")
+
+
+def test_a_run_where_every_test_skipped_checked_nothing(tmp_path):
+    code, output = _run(tmp_path, select="skipped")
+    assert code == 5, output[-3000:]
+    assert "verdict: empty: Nothing was checked: all 1 tests skipped" in output
+    assert _verdicts(tmp_path / "out") == ("empty", "empty")
+
+
+def test_a_passing_run_is_green_everywhere(tmp_path):
+    code, output = _run(tmp_path, select="passes")
+    assert code == 0, output[-3000:]
+    assert "verdict: pass: All conformant" in output
+    assert _verdicts(tmp_path / "out") == ("pass", "pass")
+
+
+def _wait_for_start(results: Path, process: subprocess.Popen[str]) -> None:
+    for _ in range(600):
+        if results.exists() and '"kind": "start"' in results.read_text():
+            return
+        assert process.poll() is None, process.communicate()[0][-3000:]
+        time.sleep(0.1)
+    raise AssertionError("the test never started")
+
+
+@pytest.mark.parametrize("runner", ["threads", "processes"])
+def test_sigint_is_an_interrupted_run_everywhere(tmp_path, runner):
+    process = subprocess.Popen(
+        _command(tmp_path, select="slow", runner=runner),
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
+    )  # fmt: skip
+    _wait_for_start(tmp_path / "out" / "results.jsonl", process)
+    time.sleep(1.0)  # into the test's body, past the World's start
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 2, output[-3000:]
+    assert "verdict: interrupted: Interrupted" in output
+    assert "All conformant" not in output
+    assert _verdicts(tmp_path / "out") == ("interrupted", "interrupted")
+
+
+def test_a_refused_option_leaves_an_earlier_run_untouched(tmp_path):
+    code, output = _run(tmp_path, select="passes")
+    assert code == 0, output[-3000:]
+    out = tmp_path / "out"
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    for bad in (["--world-sizes", "0"], ["--suite", "nosuch"], ["--rank-timeout", "0"]):
+        code, output = _run(tmp_path, *bad, select="passes")
+        assert code == 4, output[-3000:]
+        assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+def test_a_new_run_moves_the_earlier_records_aside_whole(tmp_path):
+    assert _run(tmp_path, select="passes")[0] == 0
+    out = tmp_path / "out"
+    earlier = (out / "results.jsonl").read_bytes()
+    started = json.loads(earlier.splitlines()[0])["started"]
+    code, output = _run(tmp_path, select="skipped")
+    assert code == 5, output[-3000:]
+    (kept,) = (out / "earlier").iterdir()
+    assert (kept / "results.jsonl").read_bytes() == earlier
+    assert (kept / "report.html").exists()
+    assert started.replace(":", "-").startswith(kept.name[:16])
+    assert f"moved to {kept}" in output
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--world-sizes", "9999"], "--world-sizes=9999 must be at most 1024 on the threads"),
+        (["--runner", "processes", "--world-sizes", "2,4096"], "--world-sizes=4096 must be at"),
+    ],
+)
+def test_a_world_the_machine_cannot_hold_is_refused_up_front(tmp_path, options, message):
+    code, output = _run(tmp_path, *options, select="passes")
+    assert code == 4, output[-3000:]
+    assert message in output
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(
+    subprocess.run(
+        [sys.executable, "-c", "import torch, sys; sys.exit(torch.cuda.is_available())"],
+        check=False,
+    ).returncode
+    != 0,
+    reason="needs a host without a CUDA GPU",
+)
+def test_a_device_that_is_not_there_is_refused_up_front(tmp_path):
+    code, output = _run(tmp_path, "--device", "cuda", select="passes")
+    assert code == 4, output[-3000:]
+    assert "--device='cuda' must be a device this machine has" in output
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_checkout_guard_fails_a_session_that_touches_a_guarded_dir(pytester, monkeypatch):
+    guarded = pytester.mkdir("reports")
+    (guarded / "results.jsonl").write_text("kept\n")
+    monkeypatch.setenv("DISTCONF_GUARDED_DIRS", str(guarded))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
+    pytester.makepyfile(
+        test_touch=f"""
+        import pathlib
+        def test_deletes():
+            pathlib.Path({str(guarded / "results.jsonl")!r}).unlink()
+        """
+    )
+    run = pytester.runpytest_subprocess("-p", "checkout_guard", "-p", "no:cacheprovider")
+    run.assert_outcomes(passed=1)
+    assert run.ret == pytest.ExitCode.TESTS_FAILED
+    run.stdout.fnmatch_lines(["*touched the checkout's reports:*", "*deleted *results.jsonl"])
