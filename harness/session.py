@@ -8,11 +8,8 @@ properties through ``run_pytest``.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import random
 import re
-import signal
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
@@ -20,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from harness import catalogue, junit, verdict
+from harness import catalogue, forked, junit, verdict
 from harness.config import RunConfig, suite_paths
 from harness.errors import ReportError
 from harness.profiles import needs_seed
@@ -81,41 +78,6 @@ def run_pytest(config: RunConfig, *, tests: Sequence[str] = (), extra: Sequence[
     return int(pytest.main(pytest_arguments(config, tests=tests, extra=extra)))
 
 
-def pytest_in_child(arguments: Sequence[str]) -> int:
-    """pytest in a forked child; its exit code (negative: the signal that ended it).
-
-    Whatever ends the child (``os._exit`` in a rank thread, a signal, memory), this process
-    lives on to read the records and give the verdict. The child has a process group of its
-    own, so that a Ctrl-C reaches it once, forwarded from here, and pytest can close its
-    Worlds and write the end record that says the run was interrupted."""
-    import pytest
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    child = os.fork()
-    if child == 0:
-        code = 3  # pytest's internal error, should pytest.main itself raise
-        try:
-            os.setpgid(0, 0)
-            code = int(pytest.main(list(arguments)))
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-
-    def forward(signum: int, _frame: object) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child, signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        _, status = os.waitpid(child, 0)  # retried after each forwarded signal (PEP 475)
-        return os.waitstatus_to_exitcode(status)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 def with_seed(config: RunConfig) -> RunConfig:
     """A random profile's run must still be reproducible: draw a seed and say it."""
     if config.seed is not None or not needs_seed(config.profile):
@@ -135,7 +97,7 @@ def run(config: RunConfig, *, extra: Sequence[str] = ()) -> int:
     check_capacity(config.runner, config.device, config.world_sizes)
     config = with_seed(config)
     keep_earlier(config.out)
-    exit_code = pytest_in_child(pytest_arguments(config, extra=extra))
+    exit_code = forked.run_pytest(pytest_arguments(config, extra=extra))
     files = sorted(config.out.glob("results*.jsonl"))
     if not files:
         print(

@@ -196,3 +196,50 @@ def test_the_checkout_guard_fails_a_session_that_touches_a_guarded_dir(pytester,
     run.assert_outcomes(passed=1)
     assert run.ret == pytest.ExitCode.TESTS_FAILED
     run.stdout.fnmatch_lines(["*touched the checkout's reports:*", "*deleted *results.jsonl"])
+
+
+def test_ctrl_c_at_a_terminal_is_an_interrupted_run(tmp_path):
+    """A Ctrl-C typed at a terminal reaches the run's pytest once (its child has the
+    terminal's foreground) and the parent gives the verdict."""
+    import pty
+
+    command = _command(tmp_path, select="slow")
+    pid, terminal = pty.fork()
+    if pid == 0:  # the child: a session whose controlling terminal is the pty
+        os.chdir(tmp_path)
+        os.execve(sys.executable, command, _env())
+    output = bytearray()
+    results = tmp_path / "out" / "results.jsonl"
+    for _ in range(600):
+        output += _read_available(terminal)
+        if results.exists() and '"kind": "start"' in results.read_text():
+            break
+        time.sleep(0.1)
+    time.sleep(1.0)
+    os.write(terminal, b"\x03")
+    finished, status = 0, 0
+    while not finished:  # drain the terminal while waiting, or a full pty blocks the run
+        output += _read_available(terminal)
+        finished, status = os.waitpid(pid, os.WNOHANG)
+        time.sleep(0.05)
+    output += _read_available(terminal)
+    os.close(terminal)
+    text = output.decode(errors="replace")
+    assert os.waitstatus_to_exitcode(status) == 2, text[-3000:]
+    assert "verdict: interrupted" in text
+    assert _verdicts(tmp_path / "out") == ("interrupted", "interrupted")
+
+
+def _read_available(descriptor: int) -> bytes:
+    import select
+
+    data = b""
+    while select.select([descriptor], [], [], 0)[0]:
+        try:
+            chunk = os.read(descriptor, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data
