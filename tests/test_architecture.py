@@ -27,10 +27,13 @@ ENGINE = (
     "harness.mutation",
     "harness.report",
     "harness.bench",
+    "harness.forked",
+    "harness.junit",
 )
 BELOW_THE_ENGINE = (
     "harness.parity",
     "harness.results",
+    "harness.verdict",
     "harness.catalogue",
     "harness.expectations",
     "harness.profiles",
