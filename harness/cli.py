@@ -237,11 +237,24 @@ def _add_mutate(commands: Any) -> None:
 
 def _add_bench(commands: Any) -> None:
     bench = commands.add_parser("bench", help="print benchmark figures")
-    bench.add_argument("what", nargs="?", choices=("properties", "overhead", "all"), default="all")
-    bench.add_argument("--runner", choices=RUNNERS, default=DEFAULTS.runner, help="properties")
-    bench.add_argument("--world-size", type=int, default=4, help="for properties")
+    bench.add_argument(
+        "what",
+        nargs="?",
+        choices=("properties", "overhead", "all", "soak"),
+        default="all",
+        help="all: properties and overhead; soak: failure injection (not in all)",
+    )
+    bench.add_argument(
+        "--runner",
+        choices=RUNNERS,
+        default=None,
+        help=f"properties (default {DEFAULTS.runner}) and soak (default: every runner)",
+    )
+    bench.add_argument("--world-size", type=int, default=4, help="for properties and soak")
     bench.add_argument("--examples", type=int, default=300, help="examples per property")
-    bench.add_argument("--calls", type=int, default=300, help="world.run calls per row")
+    bench.add_argument(
+        "--calls", type=int, default=None, help="world.run calls per row (overhead 300, soak 2000)"
+    )
     bench.add_argument("--trials", type=int, default=2, help="spawn-per-check trials per row")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(handler=_bench)

@@ -3,6 +3,11 @@
 ``properties``: examples per second of the placement properties (``properties.py``).
 ``overhead``: milliseconds per ``world.run`` for both runners at world sizes 2 and 4, on a
 trivial and on a placement body, against spawning ranks per check (``overhead.py``).
+``soak``: a World per runner takes thousands of calls, every tenth failing; calls lost or
+misattributed, memory growth and slowdown (``soak.py``; not part of ``all``).
+
+The submodules load when their benchmark runs: rank processes unpickle ``soak``'s functions
+and need none of the others' imports (hypothesis, the strategies).
 """
 
 from __future__ import annotations
@@ -10,11 +15,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from harness.bench import overhead, properties
 from harness.errors import check_int
 
 
 def run_properties(world_size: int, examples: int, runner: str) -> dict[str, Any]:
+    from harness.bench import properties
+
     rows = properties.bench_properties(world_size, examples, runner)
     print(f"\nproperties: runner={runner}, world size {world_size}")
     print(f"{'property':<14}{'examples':>10}{'seconds':>10}{'examples/s':>12}")
@@ -30,6 +36,8 @@ def run_properties(world_size: int, examples: int, runner: str) -> dict[str, Any
 
 
 def run_overhead(world_sizes: list[int], calls: int, trials: int) -> list[dict[str, Any]]:
+    from harness.bench import overhead
+
     rows = []
     print("\nworld.run against spawn-per-check (gloo, CPU)")
     print(f"{'runner':<11}{'ws':>3}{'body':>11}{'ms/call':>10}{'spawn ms':>11}{'ratio':>10}")
@@ -54,15 +62,34 @@ def run_overhead(world_sizes: list[int], calls: int, trials: int) -> list[dict[s
     return rows
 
 
+SOAK_CALLS, OVERHEAD_CALLS = 2000, 300
+"""The default ``calls`` of each benchmark."""
+
+
 def main(
-    what: str, world_size: int, examples: int, calls: int, trials: int, runner: str, as_json: bool
+    what: str,
+    world_size: int,
+    examples: int,
+    calls: int | None,
+    trials: int,
+    runner: str | None,
+    as_json: bool,
 ) -> int:
+    """``what``: ``properties``, ``overhead``, ``all`` (both) or ``soak``; ``runner`` None:
+    the default runner for ``properties``, every runner for ``soak``."""
+    if what == "soak":
+        from harness.bench import soak
+        from harness.runners import RUNNERS
+
+        runners = (runner,) if runner else RUNNERS
+        return soak.main(calls or SOAK_CALLS, world_size, runners, as_json)
+    calls = calls or OVERHEAD_CALLS
     check_int("world_size", world_size)
     for name, value in (("examples", examples), ("calls", calls), ("trials", trials)):
         check_int(name, value)
     report: dict[str, Any] = {}
     if what in ("properties", "all"):
-        report["properties"] = run_properties(world_size, examples, runner)
+        report["properties"] = run_properties(world_size, examples, runner or "threads")
     if what in ("overhead", "all"):
         report["overhead"] = run_overhead([2, 4], calls, trials)
     if as_json:

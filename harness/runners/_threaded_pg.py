@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -40,8 +41,12 @@ UNSUPPORTED = frozenset(
 )
 
 _install_lock = threading.Lock()
+_users = 0
 _installed = False
+_registered = False
 _bound = threading.local()
+# Every rank thread that bound a Domain: c10d's world stays thread-local while one lives.
+_rank_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
 
 class CollectiveAborted(BaseException):
@@ -323,17 +328,52 @@ def _create_group(
 
 
 def install() -> None:
-    """Make c10d's world thread-local and register our backend; idempotent."""
-    global _installed
+    """Make c10d's world thread-local and register our backend, for one more user (a thread
+    World) until it calls ``release``."""
+    global _users, _installed, _registered
     with _install_lock:
-        if _installed:
+        _users += 1
+        if not _installed:
+            # Also turns autograd's multithreading off, process-wide, until uninstalled.
+            _upstream._install_threaded_pg()
+            torch._C._distributed_c10d._set_thread_isolation_mode(True)  # type: ignore[attr-defined]
+            _installed = True
+        if not _registered:
+            dist.Backend.register_backend(BACKEND, _create_group, devices=["cpu", "cuda"])
+            _registered = True
+
+
+def release(grace: float = 0.0) -> None:
+    """One user fewer. The last gives the process back c10d's shared world, its process
+    group registry and autograd's multithreading once every rank thread has ended, waiting
+    up to ``grace`` seconds for ranks still unwinding (one left stuck in C code would find
+    its world gone when it returns, so then everything stays). The backend stays registered:
+    it refuses to serve outside a rank thread."""
+    global _users
+    with _install_lock:
+        assert _users > 0, "release() without install()"
+        _users -= 1
+        if _users or not _installed:
             return
-        _upstream._install_threaded_pg()
-        torch._C._distributed_c10d._set_thread_isolation_mode(True)  # type: ignore[attr-defined]
-        dist.Backend.register_backend(BACKEND, _create_group, devices=["cpu", "cuda"])
-        _installed = True
+        alive = [thread for thread in _rank_threads if thread.is_alive()]
+    deadline = time.monotonic() + grace
+    for thread in alive:  # outside the lock: a starting rank thread takes it to bind
+        thread.join(max(0.0, deadline - time.monotonic()))
+    with _install_lock:
+        if not _users and _installed and not any(t.is_alive() for t in _rank_threads):
+            _uninstall()
+
+
+def _uninstall() -> None:
+    global _installed
+    # torch cannot report the mode; off is its default, and only this module sets it.
+    torch._C._distributed_c10d._set_thread_isolation_mode(False)  # type: ignore[attr-defined]
+    _upstream._uninstall_threaded_pg()
+    _installed = False
 
 
 def bind_domain(domain: Domain) -> None:
     """Tie the calling rank thread to its generation's Domain (read by the backend)."""
     _bound.domain = domain
+    with _install_lock:
+        _rank_threads.add(threading.current_thread())

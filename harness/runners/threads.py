@@ -10,6 +10,11 @@ killed, but one running Python code, an endless loop in a sharding rule say, unw
 next instruction instead of spinning for the rest of the session); one stuck in C code is
 left behind as a daemon thread. Its generation's Domain is separate from its successor's,
 so it can never join their collectives.
+
+``dist.init_process_group`` wraps ``sys.excepthook`` on every call (to prefix each line with
+``[rankN]: ``), and each rank of each generation calls it: after a few hundred failed calls
+the driver's own traceback would recurse through a thousand wrappers. A generation therefore
+puts back the process-wide hooks it found once its ranks started, and again when it stops.
 """
 
 from __future__ import annotations
@@ -49,6 +54,32 @@ _STOP = None
 _STOP_GRACE = 5.0
 _HEALTH_TIMEOUT = 10.0
 _STUCK_LIMIT = 64
+_ABANDONED_GRACE = 1.0
+"""Seconds the last thread World to close waits for abandoned ranks still unwinding."""
+# Hooks torch may replace process-wide from a rank thread; a generation restores them.
+_PROCESS_HOOKS = ((sys, "excepthook"), (threading, "excepthook"), (sys, "unraisablehook"))
+# Held while a generation's ranks initialise, so that no other World's generation takes the
+# hooks they wrap for the ones it found.
+_hooks_lock = threading.Lock()
+
+
+class _ProcessHooks:
+    """The process-wide hooks as found, and putting back those torch replaced since."""
+
+    def __init__(self) -> None:
+        self.found = [getattr(owner, name) for owner, name in _PROCESS_HOOKS]
+
+    def restore(self) -> None:
+        for (owner, name), found in zip(_PROCESS_HOOKS, self.found, strict=True):
+            current = getattr(owner, name)
+            # A hook someone other than torch set meanwhile is theirs to keep.
+            if current is not found and _set_by_torch(current):
+                setattr(owner, name, found)
+
+
+def _set_by_torch(hook: object) -> bool:
+    module = getattr(hook, "__module__", None) or ""
+    return module == "torch" or module.startswith("torch.")
 
 
 class _Generation:
@@ -63,6 +94,7 @@ class _Generation:
         self.reports: dict[int, RankOutcome] = {}
         self.call_id = 0
         self.stuck: set[int] = set()
+        self.hooks = _ProcessHooks()
         self.threads = [
             threading.Thread(
                 target=self._rank_main,
@@ -74,9 +106,14 @@ class _Generation:
         ]
 
     def start(self) -> None:
-        for thread in self.threads:
-            thread.start()
-        outcomes, _ = self.collect(time.monotonic() + _START_TIMEOUT)
+        with _hooks_lock:
+            self.hooks = _ProcessHooks()
+            try:
+                for thread in self.threads:
+                    thread.start()
+                outcomes, _ = self.collect(time.monotonic() + _START_TIMEOUT)
+            finally:
+                self.hooks.restore()
         # DeviceMesh keys DTensor's caches by thread ident on this backend, and the OS hands
         # exited threads' idents to new ones: forget plans made for other ranks.
         internals.clear_dtensor_plan_caches()
@@ -140,6 +177,8 @@ class _Generation:
             if rank not in self.stuck:
                 thread.join(max(0.0, deadline - time.monotonic()))
         _abandoned.extend(self.threads[rank] for rank in self.stuck)
+        with _hooks_lock:  # a rank that was late to initialise wrapped them after start
+            self.hooks.restore()
 
     def kill(self) -> None:
         """The same as ``stop``: a rank thread can only be asked to leave."""
@@ -219,8 +258,18 @@ class ThreadWorld(PersistentWorld[_Generation]):
         self, world_size: int, device: str = "cpu", *, timeout: float = DEFAULT_TIMEOUT
     ) -> None:
         _threaded_pg.install()
+        self._holds_install = True
         internals.quiet_known_warnings()
         super().__init__(world_size, device, timeout=timeout)
+
+    def close(self) -> None:
+        """Stop the ranks and give back what ``_threaded_pg.install`` changed process-wide
+        when this was the last open thread World (a later call installs it again)."""
+        super().close()
+        with self._lock:
+            held, self._holds_install = self._holds_install, False
+        if held:
+            _threaded_pg.release(grace=_ABANDONED_GRACE)
 
     def _refuse_caller(self, method: str) -> None:
         if threading.current_thread().name.startswith("distconf-g"):
@@ -230,6 +279,9 @@ class ThreadWorld(PersistentWorld[_Generation]):
 
     def _start_ranks(self) -> _Generation:
         _refuse_past_stuck_limit()
+        if not self._holds_install:  # used again after close
+            _threaded_pg.install()
+            self._holds_install = True
         generation = _Generation(self.world_size, self.device, next(self._numbers))
         generation.start()
         return generation
