@@ -88,7 +88,7 @@ def observing(item: pytest.Item) -> Any:
 def _unshrunk_if_expected_to_fail(item: pytest.Item, test: state.TestState) -> Iterator[None]:
     """A known deviation (strict xfail) needs one failing example for its verdict, and its
     expectation already names the smallest: shrinking it again cost hundreds of examples per
-    test (a third of a clean CPU run's time; on processes a respawn each)."""
+    test (a third of a clean CPU run's time; on processes a reset of the ranks each)."""
     function: Any = getattr(item, "obj", None)
     # @given keeps the test's settings on the test itself; there is no public way to
     # change them once @settings has been applied.
