@@ -17,6 +17,7 @@ import signal
 import sys
 from collections.abc import Iterator, Sequence
 
+_PR_SET_PDEATHSIG = 1
 _INTERNAL_ERROR = 3
 """pytest's exit code for an internal error: the child's, should ``pytest.main`` raise."""
 
@@ -33,6 +34,7 @@ def run_pytest(arguments: Sequence[str]) -> int:
         code = _INTERNAL_ERROR
         try:
             os.setpgid(0, 0)
+            _end_with_parent()
             code = int(pytest.main(list(arguments)))
         finally:
             sys.stdout.flush()
@@ -43,6 +45,20 @@ def run_pytest(arguments: Sequence[str]) -> int:
     with _forwarding_signals(child), _terminal_given_to(child):
         _, status = os.waitpid(child, 0)  # retried after each forwarded signal (PEP 475)
     return os.waitstatus_to_exitcode(status)
+
+
+def _end_with_parent() -> None:
+    """A group of its own takes the child out of reach of a kill aimed at the parent's group
+    (a CI timeout's SIGKILL): on Linux, the child is sent SIGTERM when its parent dies."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() == 1:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 @contextlib.contextmanager

@@ -243,3 +243,22 @@ def _read_available(descriptor: int) -> bytes:
             break
         data += chunk
     return data
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_pytest_child_ends_when_the_run_is_killed(tmp_path):
+    process = subprocess.Popen(
+        _command(tmp_path, select="slow"),
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(),
+    )  # fmt: skip
+    _wait_for_start(tmp_path / "out" / "results.jsonl", process)
+    children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+    assert len(children) == 1, children
+    process.kill()
+    process.wait(60)
+    for _ in range(100):
+        if not Path(f"/proc/{children[0]}").exists():
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"pytest's child {children[0]} outlived a killed harness run")
