@@ -2,8 +2,16 @@
 
 The driver sends pickled messages over a pipe: ``("call", payload)``, ``("control", (kind,
 argument))`` for ``health`` and ``reset``, and ``("stop", None)``; the rank answers every call
-and control message with ``(kind, RankOutcome)``. Stacks go to a per-rank file through
-faulthandler: on a fatal signal, and on ``STACK_SIGNAL`` when the driver's deadline expires.
+and control message with ``(kind, RankOutcome)``, and its start with ``("ready", RankOutcome)``
+once it joined the process group of its ``RankConfig.generation``. Stacks go to a per-rank
+file through faulthandler: on a fatal signal, and on ``STACK_SIGNAL`` when the driver's
+deadline expires.
+
+A rank's stderr goes to ``stderr.<rank>.txt`` in the pool's directory from its first
+instruction on, before multiprocessing re-imports the driver's ``__main__`` in it: the
+forkserver preloads this module, which then wraps the forkserver's ``spawn.prepare`` so that
+each child it forks redirects its stderr before preparing. The child learns where from its
+process name (``process_name``), the one thing multiprocessing tells it before preparing.
 """
 
 from __future__ import annotations
@@ -12,15 +20,21 @@ import contextlib
 import faulthandler
 import os
 import pickle
+import re
 import select
 import signal
+import socket
+import stat
+import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
+from harness.errors import WorldStartError, invalid
 from harness.runners.base import (
     RankOutcome,
     error_outcome,
@@ -30,9 +44,22 @@ from harness.runners.base import (
 )
 
 STACK_SIGNAL = signal.SIGUSR1
-# gloo's message when a peer destroyed its group (we make failing ranks do that): the rank
-# reading it was released from a collective, it did not fail on its own.
+GLOO_INTERFACE_VAR = "GLOO_SOCKET_IFNAME"
+_PROCESS_NAME = re.compile(r"distconf-rank(?P<rank>[0-9]+):(?P<directory>.+)", re.DOTALL)
+_stderr_now: str | None = None
+"""Where this process's stderr goes, once a rank redirected it."""
+# What a rank reads when a peer failed (a failing rank closes its connections; a dead one
+# loses them): it was released from a collective, it did not fail on its own. gloo's own words,
+# and those of ProcessGroupGloo::monitoredBarrier (strict collectives run one before each
+# collective), on rank 0 naming the others, and on the others naming rank 0 (torch 2.13).
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+_MONITORED_BARRIER_RELEASES = (
+    re.compile(r"\[Rank 0\]: Ranks? [0-9]+(, [0-9]+)* failed to pass monitoredBarrier in "),
+    re.compile(
+        r"Rank [1-9][0-9]* successfully reached monitoredBarrier, but received errors while "
+        r"waiting for send/recv from rank 0\."
+    ),
+)
 _COLLECTIVE_FRAMES = ("distributed_c10d.py", "_functional_collectives.py", "c10d_logger.py")
 # The driver enforces every deadline; the group's own timeout only has to outlast them.
 _GROUP_TIMEOUT = timedelta(hours=2)
@@ -46,16 +73,178 @@ class RankConfig:
     directory: str
     parent_pid: int
     strict_collectives: bool
+    generation: int = 0
+    """The process group to join at start (``store.<generation>``), the one the other ranks
+    join: 0 for a new pool, the next one for a rank respawned into a running pool."""
+    gloo_interface: str = ""
+    """``GLOO_SOCKET_IFNAME`` for this rank's gloo groups (the driver's choice)."""
     faults: tuple[str, ...] = ()
     fault_files: tuple[str, ...] = ()
 
 
+def gloo_interface() -> str:
+    """The network interface(s) gloo uses in every rank, chosen by the driver when a pool
+    starts: ``$GLOO_SOCKET_IFNAME`` when its environment sets it, else the loopback
+    interface."""
+    names = _interface_names()
+    chosen = os.environ.get(GLOO_INTERFACE_VAR, "")
+    if not chosen:
+        return _loopback_interface(names)
+    if names and not set(chosen.split(",")) <= set(names):
+        raise invalid(
+            GLOO_INTERFACE_VAR,
+            chosen,
+            f"names of network interfaces of this machine, comma-separated (it has {names})",
+        )
+    return chosen
+
+
+def _interface_names() -> list[str]:
+    try:
+        return [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return []
+
+
+def _loopback_interface(names: list[str]) -> str:
+    for name in names:
+        if _ipv4_address(name) == "127.0.0.1":
+            return name
+    for name in ("lo", "lo0"):
+        if name in names:
+            return name
+    raise WorldStartError(
+        "no loopback network interface found for gloo: set GLOO_SOCKET_IFNAME to the "
+        "interface the rank processes should talk over"
+    )
+
+
+def _ipv4_address(interface: str) -> str | None:
+    """The interface's IPv4 address (Linux only: elsewhere None)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    request = struct.pack("256s", interface.encode()[:15])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            reply = fcntl.ioctl(probe.fileno(), siocgifaddr, request)
+        except OSError:
+            return None
+    return socket.inet_ntoa(reply[20:24])
+
+
 def _is_release(exc: BaseException) -> bool:
-    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _PEER_GONE)
+    if not isinstance(exc, RuntimeError):
+        return False
+    message = str(exc)
+    return any(text in message for text in _PEER_GONE) or any(
+        pattern.search(message) for pattern in _MONITORED_BARRIER_RELEASES
+    )
+
+
+def _disconnect_gloo_pairs() -> None:
+    """Shut down every connected TCP socket of this process: gloo's connections to its peers.
+
+    gloo closes a group's connections only when the last reference to the group goes (in
+    torch 2.13 its ``shutdown`` and ``abort`` leave them open), and a DeviceMesh holds its
+    groups (``_pg_registry``) while the rank context or DTensor's caches hold the mesh: after
+    ``destroy_process_group`` such a group still connects us to peers blocked in a collective
+    with us. A shut-down socket reads as "Connection closed by peer" on both ends, as when a
+    peer process dies, which gloo survives. Listening sockets are left alone."""
+    for descriptor in _open_descriptors():
+        try:
+            if not stat.S_ISSOCK(os.fstat(descriptor).st_mode):
+                continue
+            duplicate = os.dup(descriptor)
+        except OSError:
+            continue  # closed meanwhile
+        with socket.socket(fileno=duplicate) as connection:
+            if connection.family in (socket.AF_INET, socket.AF_INET6) and _connected(connection):
+                with contextlib.suppress(OSError):
+                    connection.shutdown(socket.SHUT_RDWR)
+
+
+def _open_descriptors() -> list[int]:
+    for listing in ("/proc/self/fd", "/dev/fd"):
+        with contextlib.suppress(OSError):
+            return [int(name) for name in os.listdir(listing) if name.isdigit()]
+    return []
+
+
+def _connected(connection: socket.socket) -> bool:
+    if connection.type != socket.SOCK_STREAM:
+        return False
+    try:
+        connection.getpeername()
+    except OSError:
+        return False  # listening, or never connected
+    return True
 
 
 def stack_path(directory: str, rank: int) -> str:
+    """Where the rank's faulthandler writes; the rank creates it when its ``main`` starts."""
     return os.path.join(directory, f"stack.{rank}.txt")
+
+
+def stderr_path(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"stderr.{rank}.txt")
+
+
+def process_name(directory: str, rank: int) -> str:
+    """The multiprocessing name of rank ``rank`` of the pool in ``directory``."""
+    return f"distconf-rank{rank}:{directory}"
+
+
+def _stderr_path_of(name: str) -> str | None:
+    """Where the process named ``name`` writes its stderr, if it is a distconf rank."""
+    match = _PROCESS_NAME.fullmatch(name)
+    if match is None:
+        return None
+    return stderr_path(match["directory"], int(match["rank"]))
+
+
+def _redirect_stderr(path: str) -> None:
+    global _stderr_now
+    if _stderr_now == path:
+        return
+    sys.stderr.flush()
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(descriptor, 2)
+    os.close(descriptor)
+    _stderr_now = path
+
+
+def _imported_by_forkserver() -> bool:
+    """Whether this import is the forkserver's preload (``forkserver.main`` is on the stack)."""
+    forkserver = sys.modules.get("multiprocessing.forkserver")
+    if forkserver is None:
+        return False
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is forkserver.main.__code__:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+def _capture_stderr_from_birth() -> None:
+    """In the forkserver: every distconf rank it forks redirects its stderr before
+    multiprocessing prepares it (and re-imports the driver's ``__main__``, where an unguarded
+    driver script fails)."""
+    from multiprocessing import spawn
+
+    prepare = spawn.prepare
+
+    def redirected_prepare(data: Mapping[str, Any]) -> None:
+        path = _stderr_path_of(str(data.get("name", "")))
+        if path is not None:
+            _redirect_stderr(path)
+        prepare(data)
+
+    spawn.prepare = redirected_prepare
 
 
 def in_collective(stack: str) -> bool:
@@ -67,6 +256,10 @@ def main(config: RankConfig, conn: Connection) -> None:
     """Entry point of a rank process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
     _exit_with_parent(config.parent_pid)
+    _redirect_stderr(stderr_path(config.directory, config.rank))
+    if config.gloo_interface:
+        # gloo reads it when a group is made: its sockets bind to this interface's address
+        os.environ[GLOO_INTERFACE_VAR] = config.gloo_interface
     stacks = open(stack_path(config.directory, config.rank), "w")  # noqa: SIM115 (process-long)
     faulthandler.enable(stacks, all_threads=True)
     faulthandler.register(STACK_SIGNAL, stacks, all_threads=True)
@@ -122,7 +315,7 @@ class _Rank:
         self.ctx = RankContext(
             rank=config.rank, world_size=config.world_size, device=device, runner="processes"
         )
-        self.join_group(0)
+        self.join_group(config.generation)
 
     def join_group(self, generation: int) -> None:
         """Leave the current process group (if any) and join a new one on a fresh store."""
@@ -143,14 +336,20 @@ class _Rank:
             os.path.join(self.config.directory, f"store.{generation}"), self.config.world_size
         )
         cuda = self.ctx.device.type == "cuda"
-        dist.init_process_group(
-            "nccl" if cuda else "gloo",
-            rank=self.config.rank,
-            world_size=self.config.world_size,
-            store=store,
-            timeout=_GROUP_TIMEOUT,
-            device_id=self.ctx.device if cuda else None,
-        )
+        # init_process_group wraps sys.excepthook each time; a rank reset in place hundreds
+        # of times would otherwise report an uncaught error through as many wrappers.
+        excepthook = sys.excepthook
+        try:
+            dist.init_process_group(
+                "nccl" if cuda else "gloo",
+                rank=self.config.rank,
+                world_size=self.config.world_size,
+                store=store,
+                timeout=_GROUP_TIMEOUT,
+                device_id=self.ctx.device if cuda else None,
+            )
+        finally:
+            sys.excepthook = excepthook
 
     def serve(self, conn: Connection) -> None:
         while True:
@@ -191,15 +390,15 @@ class _Rank:
         return error_outcome(rank, exc, keep=False)
 
     def _release_peers(self) -> None:
-        """Destroy our group so peers blocked on us fail now instead of at gloo's timeout.
-
-        This releases peers blocked in the default group; a peer blocked in a DeviceMesh's
-        collective is only released when this process exits, so the driver gives peers
-        ``_PEER_GRACE`` seconds and then respawns the pool."""
+        """Destroy our groups and close their connections, so that peers blocked in a
+        collective with us (of the default group or of a DeviceMesh) fail now instead of at
+        gloo's timeout."""
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self.ctx.device.type != "cuda":  # nccl's destroy aborts its communicators
+            _disconnect_gloo_pairs()
 
     def control(self, kind: str, argument: Any) -> RankOutcome:
         rank = self.config.rank
@@ -238,3 +437,7 @@ class _Rank:
                 summary=f"the return value (a {value_type}) cannot be sent to the driver: {exc}",
             )
             return pickle.dumps((kind, failed))
+
+
+if _imported_by_forkserver():
+    _capture_stderr_from_birth()

@@ -1,18 +1,40 @@
 """Process runner: N persistent rank processes on gloo (CPU) or nccl (one GPU per rank).
 
-A *pool* is N processes that serve calls from a pipe each. They are forked by a forkserver
-that imported torch once (never initialising CUDA or a process group), so a pool starts in
-well under a second after the first: a failing hypothesis example that strands ranks in a
-collective costs a respawn, and shrinking may need dozens of them.
-The process group inside them is rebuilt cheaply after a call that failed (every rank
-destroys its group and joins a new one on a fresh FileStore); the processes themselves are
-respawned only when one died, a call's deadline expired, or a health check failed.
+A *pool* is N processes that serve calls from a pipe each, and a temporary directory (their
+FileStores, stacks and stderr). The processes are forked by a forkserver that imported torch
+once (never initialising CUDA or a process group), so a rank starts in well under a second
+after the first.
 
-A rank that fails destroys its process group before it reports: peers blocked in a gloo
-collective of the default group with it get "Connection closed by peer" at once and report
-``waiting`` instead of hanging until gloo's own timeout. Peers blocked in a DeviceMesh group's
-collective are not released that way: the driver gives them ``_PEER_GRACE`` seconds, reports
-them ``waiting`` with their stacks, and respawns the pool.
+After a call that did not succeed only what is broken is replaced, before the next call: a
+rank that did not answer (it died, ran past the deadline, or stayed stuck in a collective) is
+killed at once and started anew; every other rank (one that raised, skipped, returned, or was
+released from a collective) is reset in place; then all of them, old and new, join a new
+process group on a fresh FileStore. A failed health check does the same. A new pool is
+started only when that repair fails. ``ProcessWorld.respawns`` counts the rank processes
+started anew, ``ProcessWorld.resets`` the repairs that kept rank processes.
+
+A rank that fails destroys its process groups and closes their connections before it
+reports, and so does a rank released that way: peers blocked in a gloo collective with it (of
+the default group or of a DeviceMesh) get "Connection closed by peer" at once, report
+``waiting`` and are reset in place, instead of hanging until gloo's own timeout. With strict
+collectives, rank 0 reports the ranks that failed its monitored barrier: it was released too.
+Peers still blocked after ``_PEER_GRACE`` seconds (on a rank that returned, say) are reported
+``waiting`` with their stacks and respawned.
+
+Rank processes re-import the driver's ``__main__`` (multiprocessing does, so that functions
+defined there can be called in them): a driver script must open its Worlds under
+``if __name__ == "__main__":``. A rank's stderr goes to ``stderr.<rank>.txt`` in the pool's
+directory from its first instruction on; when a rank dies, its exit and its last stderr lines
+are in the error, and a rank that dies while the pool starts fails the start at once.
+
+Network: gloo binds to the loopback interface (``GLOO_SOCKET_IFNAME`` is set in every rank to
+the interface that holds 127.0.0.1: ``lo`` on Linux, ``lo0`` on macOS) and the rendezvous is a
+FileStore in the pool's directory, so no rank listens beyond this machine. A
+``GLOO_SOCKET_IFNAME`` in the driver's environment when a pool starts (an interface name, or
+several separated by commas) is passed to the ranks instead.
+
+An interrupt (Ctrl-C) while ranks start, serve a call, are repaired, are health-checked or
+are closed kills the pool's processes and removes its directory before it propagates.
 """
 
 from __future__ import annotations
@@ -24,9 +46,10 @@ import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -42,10 +65,17 @@ _CONTROL_TIMEOUT = 30.0
 _STACK_WAIT = 1.0
 _START_ATTEMPTS = 3
 _REAP_WAIT = 5.0
+_STDERR_LINES = 20
 _PEER_GRACE = 2.0
 """Seconds the other ranks get to answer once one rank failed the call: the call has failed
 anyway, and ranks blocked in a collective with the failed rank would hold the driver to the
 call's whole deadline for every failing example hypothesis tries."""
+
+MAIN_GUARD = (
+    "rank processes re-import the driver's __main__ module (multiprocessing does, so that "
+    "functions defined there can be called in them), and run its top-level code again: open "
+    'and use Worlds only under `if __name__ == "__main__":` in the driver script'
+)
 
 
 def _describe_exit(code: int | None) -> str:
@@ -67,57 +97,84 @@ def _rank_context() -> multiprocessing.context.ForkServerContext:
     return context
 
 
+def _refuse_inside_rank_bootstrap() -> None:
+    """A process multiprocessing is preparing (a rank re-importing an unguarded driver script)
+    must not start ranks of its own: say why instead of multiprocessing's generic error."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise WorldStartError(
+            f"a processes World was started while multiprocessing prepared a new process: "
+            f"{MAIN_GUARD}"
+        )
+
+
 class _Pool:
-    """One set of rank processes and the pipes to them."""
+    """One set of rank processes, the pipes to them, and their temporary directory."""
 
     def __init__(self, world_size: int, device: str, *, strict: bool) -> None:
-        self.world_size, self.device = world_size, device
-        self.dir = tempfile.mkdtemp(prefix="distconf-world-")
-        self.group_generation = 0
-        context = _rank_context()
-        self.conns: list[Connection] = []
-        self.child_ends: list[Connection] = []
+        self.world_size, self.device, self.strict = world_size, device, strict
+        self.gloo_interface = _rank_process.gloo_interface()
+        self.faults = tuple(faults.exported()), tuple(faults.exported_files())
+        self.generation = 0
         self.processes: list[Any] = []
+        self.conns: list[Connection] = []
         self.stack_offsets = [0] * world_size
+        self.stderr_offsets = [0] * world_size
         self.gone: set[int] = set()
-        for rank in range(world_size):
-            ours, theirs = context.Pipe()
-            config = _rank_process.RankConfig(
-                rank=rank,
-                world_size=world_size,
-                device=device,
-                directory=self.dir,
-                parent_pid=os.getpid(),
-                strict_collectives=strict,
-                faults=tuple(faults.exported()),
-                fault_files=tuple(faults.exported_files()),
-            )
-            process = context.Process(
-                target=_rank_process.main,
-                args=(config, theirs),
-                name=f"distconf-rank{rank}",
-                daemon=True,
-            )
-            self.conns.append(ours)
-            self.child_ends.append(theirs)
-            self.processes.append(process)
+        self.broken: set[int] = set()
+        """Ranks killed because a call or health check left them unusable; respawned by
+        ``mend``."""
+        self.dirty = False
+        """A call or health check failed: every rank must join a new group before the next."""
+        self.retryable = True
+        """False once a rank died before its entry point: starting again would fail alike."""
+        self.dir = tempfile.mkdtemp(prefix="distconf-world-")
 
     def stack_path(self, rank: int) -> str:
         return _rank_process.stack_path(self.dir, rank)
 
+    def stderr_path(self, rank: int) -> str:
+        return _rank_process.stderr_path(self.dir, rank)
+
+    @property
+    def needs_repair(self) -> bool:
+        return self.dirty or bool(self.broken)
+
     # --- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
-        for process, child_end in zip(self.processes, self.child_ends, strict=True):
-            process.start()
-            child_end.close()  # else the rank's death never reads as EOF on our end
-        replies, missing = self._gather("ready", time.monotonic() + _START_TIMEOUT)
-        failed = {r: o for r, o in replies.items() if o.status != "ok"}
-        if missing or failed:
-            detail = [f"rank {r}: {o.summary}\n{o.traceback}" for r, o in sorted(failed.items())]
-            detail += [f"rank {r}: {self._exit_or_silence(r)}" for r in missing]
+        """Start every rank; raises ``WorldStartError`` as soon as one cannot start. On any
+        failure, Ctrl-C included, nothing is left behind."""
+        try:
+            for rank in range(self.world_size):
+                process, conn = self._launch(rank)
+                self.processes.append(process)
+                self.conns.append(conn)
+            expected = dict.fromkeys(range(self.world_size), "ready")
+            replies, missing = self._gather(expected, _deadline(_START_TIMEOUT), fail_fast=True)
+            problems = self._start_problems(replies, missing)
+            if problems:
+                raise WorldStartError("rank processes failed to start:\n" + "\n".join(problems))
+        except BaseException:
             self.kill()
-            raise WorldStartError("rank processes failed to start:\n" + "\n".join(detail))
+            raise
+
+    def mend(self) -> tuple[int, bool]:
+        """Respawn the broken ranks (and dead ones), make every rank join a new group; how
+        many were respawned, and whether every rank is ready (if not, discard the pool)."""
+        respawn = sorted(self.broken | {r for r in range(self.world_size) if not self._alive(r)})
+        self.generation += 1
+        for rank in respawn:
+            self._retire(rank)
+        kept = [r for r in range(self.world_size) if r not in respawn]
+        self._send(kept, pickle.dumps(("control", ("reset", self.generation))))
+        for rank in respawn:
+            self.processes[rank], self.conns[rank] = self._launch(rank)
+        expected = {r: "ready" if r in respawn else "reset" for r in range(self.world_size)}
+        limit = _START_TIMEOUT if respawn else _CONTROL_TIMEOUT
+        replies, missing = self._gather(expected, _deadline(limit), fail_fast=True)
+        mended = not missing and all(o.status == "ok" for o in replies.values())
+        self.broken, self.dirty = set(), not mended
+        return len(respawn), mended
 
     def kill(self) -> None:
         started = [process for process in self.processes if process.pid is not None]
@@ -125,67 +182,139 @@ class _Pool:
             if process.is_alive():
                 process.kill()
         for process in started:
-            process.join(5)
+            process.join(_REAP_WAIT)
         for conn in self.conns:
             conn.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def stop(self, grace: float = _CONTROL_TIMEOUT) -> None:
-        """Ask every rank to leave (barrier, destroy the group, exit); kill what remains."""
-        self._broadcast(("stop", None))
-        deadline = time.monotonic() + grace
+        """Ask every rank to leave (barrier, destroy the group, exit); kill what remains. A
+        pool that awaits repair is killed: its groups are broken, a barrier could hang."""
+        try:
+            if not self.needs_repair:
+                self._broadcast(("stop", None))
+                self._await_exit(_deadline(grace))
+        finally:
+            self.kill()
+
+    def _await_exit(self, deadline: float) -> None:
         for process in self.processes:
             process.join(max(0.0, deadline - time.monotonic()))
-        self.kill()
-
-    def alive(self) -> bool:
-        return all(process.is_alive() for process in self.processes)
 
     def healthy(self) -> bool:
-        return self.alive() and self.control("health", None)
+        """A barrier on every rank; the ranks that fail it are marked broken."""
+        dead = [r for r in range(self.world_size) if not self._alive(r)]
+        if dead:
+            self._mark_broken(dead)
+            return False
+        self._broadcast(("control", ("health", None)))
+        expected = dict.fromkeys(range(self.world_size), "health")
+        replies, missing = self._gather(expected, _deadline(_CONTROL_TIMEOUT))
+        if missing or any(o.status != "ok" for o in replies.values()):
+            self._mark_broken(missing)
+            return False
+        return True
 
-    def reset(self) -> bool:
-        """Every rank joins a new process group; True when all of them did."""
-        self.group_generation += 1
-        return self.alive() and self.control("reset", self.group_generation)
+    def _launch(self, rank: int) -> tuple[Any, Connection]:
+        """Start a process for ``rank`` joining the current group generation."""
+        context = _rank_context()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.stack_path(rank))  # the rank makes it anew: it reached its main
+        self.stack_offsets[rank] = 0
+        self.stderr_offsets[rank] = _size(self.stderr_path(rank))
+        self.gone.discard(rank)
+        ours, theirs = context.Pipe()
+        config = _rank_process.RankConfig(
+            rank=rank,
+            world_size=self.world_size,
+            device=self.device,
+            directory=self.dir,
+            parent_pid=os.getpid(),
+            strict_collectives=self.strict,
+            generation=self.generation,
+            gloo_interface=self.gloo_interface,
+            faults=self.faults[0],
+            fault_files=self.faults[1],
+        )
+        process = context.Process(
+            target=_rank_process.main,
+            args=(config, theirs),
+            name=_rank_process.process_name(self.dir, rank),
+            daemon=True,
+        )
+        try:
+            process.start()
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()  # else the rank's death never reads as EOF on our end
+        return process, ours
+
+    def _retire(self, rank: int) -> None:
+        """Kill rank ``rank``'s process (if it still runs) and reap it."""
+        process = self.processes[rank]
+        if process.is_alive():
+            process.kill()
+        process.join(_REAP_WAIT)
+        self.conns[rank].close()
+
+    def _mark_broken(self, ranks: Iterable[int]) -> None:
+        self.dirty = True
+        for rank in ranks:
+            self._retire(rank)
+            self.broken.add(rank)
+
+    def _alive(self, rank: int) -> bool:
+        return bool(self.processes[rank].is_alive())
 
     # --- calls -------------------------------------------------------------------------
 
     def call(self, payload: bytes, deadline: float) -> tuple[list[RankOutcome], bool]:
+        """Every rank's outcome; after a failure, the ranks that did not answer are killed
+        (``mend`` starts them anew) and the others wait to be reset."""
+        assert not self.needs_repair, "a pool is repaired before it takes a call"
         self._broadcast_bytes(pickle.dumps(("call", payload)))
-        replies, missing = self._gather("call", deadline)
+        expected = dict.fromkeys(range(self.world_size), "call")
+        replies, missing = self._gather(expected, deadline)
         outcomes = dict(replies)
         peer_failed = any(o.status == "error" for o in replies.values())
         timed_out = False
         for rank in missing:
             outcomes[rank] = self._missing_outcome(rank)
             timed_out = timed_out or (outcomes[rank].status != "crashed" and not peer_failed)
+        if missing or any(o.status != "ok" for o in replies.values()):
+            self._mark_broken(missing)
         return [outcomes[r] for r in range(self.world_size)], timed_out
-
-    def control(self, kind: str, argument: Any) -> bool:
-        """Send a control message to every rank; True when every rank acknowledged it."""
-        self._broadcast(("control", (kind, argument)))
-        replies, missing = self._gather(kind, time.monotonic() + _CONTROL_TIMEOUT)
-        return not missing and all(o.status == "ok" for o in replies.values())
 
     def _broadcast(self, message: tuple[str, Any]) -> None:
         self._broadcast_bytes(pickle.dumps(message))
 
     def _broadcast_bytes(self, data: bytes) -> None:
-        for conn in self.conns:
+        self._send(range(self.world_size), data)
+
+    def _send(self, ranks: Iterable[int], data: bytes) -> None:
+        for rank in ranks:
             # A dead rank shows up as crashed when its reply is gathered.
             with contextlib.suppress(BrokenPipeError, OSError):
-                conn.send_bytes(data)
+                self.conns[rank].send_bytes(data)
 
-    def _gather(self, kind: str, deadline: float) -> tuple[dict[int, RankOutcome], list[int]]:
-        """Replies of kind ``kind`` until every rank answered, died, or the deadline passed."""
+    def _gather(
+        self, expected: dict[int, str], deadline: float, *, fail_fast: bool = False
+    ) -> tuple[dict[int, RankOutcome], list[int]]:
+        """Replies of the kind ``expected`` names for each rank, until every one of those
+        ranks answered, died, or the deadline passed; with ``fail_fast``, until the first
+        rank died or answered with a failure (the others could wait for it forever)."""
         replies: dict[int, RankOutcome] = {}
         dead: set[int] = set()
-        while len(replies) + len(dead) < self.world_size:
+        while True:
+            pending = [r for r in expected if r not in replies and r not in dead]
+            failed = dead or any(o.status != "ok" for o in replies.values())
+            if not pending or (fail_fast and failed):
+                break
             waiting = {
                 handle: rank
-                for rank in range(self.world_size)
-                if rank not in replies and rank not in dead
+                for rank in pending
                 for handle in (self.conns[rank], self.processes[rank].sentinel)
             }
             ready = wait(list(waiting), timeout=max(0.0, deadline - time.monotonic()))
@@ -193,19 +322,20 @@ class _Pool:
                 break
             for handle in ready:
                 rank = waiting[handle]
-                if handle is self.conns[rank] and rank not in replies:
+                if rank in replies or rank in dead:
+                    continue
+                if handle is self.conns[rank]:
                     reply = self._receive(rank)
                     if reply is None:
                         dead.add(rank)
                         self.gone.add(rank)
-                    elif reply[0] == kind:
+                    elif reply[0] == expected[rank]:
                         replies[rank] = reply[1]
                         if reply[1].status == "error":
                             deadline = min(deadline, time.monotonic() + _PEER_GRACE)
-                elif handle is not self.conns[rank] and not self.conns[rank].poll():
+                elif not self.conns[rank].poll():
                     dead.add(rank)
-        missing = [r for r in range(self.world_size) if r not in replies]
-        return replies, missing
+        return replies, [r for r in expected if r not in replies]
 
     def _receive(self, rank: int) -> tuple[str, RankOutcome] | None:
         try:
@@ -214,19 +344,60 @@ class _Pool:
             return None
         return str(kind), outcome
 
-    # --- what a missing rank was doing ---------------------------------------------------
+    # --- what a rank that did not answer was doing ---------------------------------------
 
-    def _missing_outcome(self, rank: int) -> RankOutcome:
+    def _start_problems(self, replies: dict[int, RankOutcome], missing: list[int]) -> list[str]:
+        failed = {r: o for r, o in replies.items() if o.status != "ok"}
+        problems = [f"rank {r}: {o.summary}\n{o.traceback}" for r, o in sorted(failed.items())]
+        exited = [r for r in missing if self._reaped(r)]
+        problems += [f"rank {r}: {self._exit_story(r)}" for r in exited]
+        if problems:
+            problems += [f"rank {r}: stopped while it started" for r in missing if r not in exited]
+        else:
+            limit = f"{_START_TIMEOUT:g} s"
+            problems = [f"rank {r}: did not answer within {limit}" for r in missing]
+        return problems
+
+    def _reaped(self, rank: int) -> bool:
+        """Whether the rank's process has exited (waiting a moment for the forkserver to
+        report an exit whose signs - a closed pipe - came first)."""
         process = self.processes[rank]
-        # Its pipe closes a moment before the forkserver reaps it and reports its exit.
         exited = rank in self.gone or not process.is_alive() or self._pipe_closed(rank)
         process.join(_REAP_WAIT if exited else 0)
-        if not process.is_alive():
+        return not process.is_alive()
+
+    def _exit_story(self, rank: int) -> str:
+        """How the rank's process ended, where, and its last stderr lines."""
+        story = _describe_exit(self.processes[rank].exitcode)
+        if not os.path.exists(self.stack_path(rank)):
+            self.retryable = False
+            story += _before_entry_point()
+        stack = self._new_stack_text(rank).strip()
+        if stack:
+            story += f"\n{stack}"
+        return story + self._stderr_tail(rank)
+
+    def _stderr_tail(self, rank: int) -> str:
+        try:
+            with open(self.stderr_path(rank), "rb") as handle:
+                handle.seek(self.stderr_offsets[rank])
+                text = handle.read().decode("utf-8", errors="replace")
+        except OSError:
+            return ""
+        lines = text.rstrip().splitlines()[-_STDERR_LINES:]
+        if not lines:
+            return "\n  (its stderr is empty)"
+        return f"\n  last {len(lines)} lines of its stderr:\n" + "\n".join(
+            f"  | {line}" for line in lines
+        )
+
+    def _missing_outcome(self, rank: int) -> RankOutcome:
+        if self._reaped(rank):
             return RankOutcome(
                 rank,
                 "crashed",
-                summary=_describe_exit(process.exitcode),
-                traceback=self._new_stack_text(rank),
+                summary=_describe_exit(self.processes[rank].exitcode),
+                traceback=self._new_stack_text(rank) + self._stderr_tail(rank),
             )
         stack = self._dump_stack(rank)
         if _rank_process.in_collective(stack):
@@ -236,19 +407,13 @@ class _Pool:
     def _pipe_closed(self, rank: int) -> bool:
         return bool(self.processes[rank].sentinel in wait([self.processes[rank].sentinel], 0))
 
-    def _exit_or_silence(self, rank: int) -> str:
-        process = self.processes[rank]
-        if process.is_alive():
-            return "did not answer in time"
-        return f"{_describe_exit(process.exitcode)}\n{self._new_stack_text(rank)}"
-
     def _dump_stack(self, rank: int) -> str:
         """Ask faulthandler in the rank for every thread's stack and read it back."""
         try:
             os.kill(self.processes[rank].pid, _rank_process.STACK_SIGNAL)
         except ProcessLookupError:
             return "(process gone)"
-        deadline = time.monotonic() + _STACK_WAIT
+        deadline = _deadline(_STACK_WAIT)
         text = ""
         while time.monotonic() < deadline:
             time.sleep(0.05)
@@ -269,6 +434,28 @@ class _Pool:
         return text
 
 
+def _deadline(seconds: float) -> float:
+    return time.monotonic() + seconds
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _before_entry_point() -> str:
+    """Why a rank can die before distconf's code runs in it."""
+    main_file = getattr(sys.modules["__main__"], "__file__", None)
+    if main_file is None:
+        return " before distconf's rank code ran (while multiprocessing prepared the process)"
+    return (
+        f" while multiprocessing re-imported the driver's __main__ ({main_file}) in it, before "
+        f"distconf's rank code ran: {MAIN_GUARD}"
+    )
+
+
 class ProcessWorld(PersistentWorld[_Pool]):
     """A persistent World of ``world_size`` rank processes (see the module docstring)."""
 
@@ -287,25 +474,38 @@ class ProcessWorld(PersistentWorld[_Pool]):
         super().__init__(world_size, device, timeout=timeout)
         self.strict_collectives = strict_collectives
         self.respawns = 0
-        self._needs_reset = False
+        """Rank processes killed and started anew because a failed call or health check left
+        them unusable (dead, past the deadline, stuck in a collective), or a repair failed;
+        counted when they are killed (their successors start before the next call)."""
+        self.resets = 0
+        """Repairs that kept rank processes and rebuilt their process group in place."""
 
     def _prepare(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
         return _pickled_call(fn, args)
 
-    def _ready(self) -> _Pool:
-        if self._ranks is not None and self._needs_reset:
-            if not self._ranks.reset():
-                self._discard()
-            self._needs_reset = False
-        return super()._ready()
+    def _repair(self) -> None:
+        pool = self._ranks
+        if pool is None or not pool.needs_repair:
+            return
+        counted = len(pool.broken)
+        respawned, mended = pool.mend()
+        self.respawns += respawned - counted  # ranks that died between calls
+        if not mended:
+            self._discard()  # the next call starts a new pool
+            self.respawns += self.world_size
+        elif respawned < self.world_size:
+            self.resets += 1
 
     def _start_ranks(self) -> _Pool:
+        _refuse_inside_rank_bootstrap()
         errors = []
         for _ in range(_START_ATTEMPTS):
             pool = _Pool(self.world_size, self.device, strict=self.strict_collectives)
             try:
                 pool.start()
             except WorldStartError as exc:
+                if not pool.retryable:
+                    raise
                 errors.append(str(exc))
                 continue
             return pool
@@ -315,13 +515,20 @@ class ProcessWorld(PersistentWorld[_Pool]):
         )
 
     def _after_failure(self, outcomes: list[RankOutcome], timed_out: bool) -> None:
-        """Respawn the pool when a rank cannot take the next call, else rebuild its group."""
-        stranded = ("crashed", "waiting", "timeout")
-        if timed_out or any(o.status in stranded for o in outcomes):
-            self.respawns += 1
-            self._discard()
-        else:
-            self._needs_reset = True
+        """Count the ranks the pool killed for not answering: it is repaired (they are
+        started anew) before its next call."""
+        self._count_broken()
+
+    def _after_unhealthy(self) -> None:
+        """Count the ranks the pool killed for failing the health check: it is repaired
+        (they are started anew) before its next call."""
+        self._count_broken()
+
+    def _count_broken(self) -> None:
+        # A pool is repaired before every call and health check: what is broken now broke in
+        # the one that just failed.
+        if self._ranks is not None:
+            self.respawns += len(self._ranks.broken)
 
 
 def _pickled_call(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:

@@ -3,7 +3,10 @@
 ``PersistentWorld.run`` is written once: the deadline, the lock, ready ranks, the call, an
 interrupt, the book-keeping after a failed call, the short deadline after a hang, and the
 verdict (``settle``). A runner supplies its ranks (a ``Ranks``: a thread generation, a
-process pool) and decides what a call that did not succeed costs them.
+process pool) and decides what a call or health check that did not succeed costs them:
+dropping them (the next call starts new ones), or ``_repair`` before the next call or health
+check. An interrupt (Ctrl-C) during a repair, a call or a health check drops the ranks before
+it propagates; one while ranks start is the runner's ``_start_ranks`` to clean up.
 """
 
 from __future__ import annotations
@@ -66,12 +69,12 @@ class PersistentWorld(ABC, Generic[RanksT]):
         self._refuse_caller("run")
         payload = self._prepare(fn, args)
         with self._lock:
-            ranks = self._ready()
-            self.calls += 1
             try:
+                ranks = self._ready()
+                self.calls += 1
                 outcomes, timed_out = ranks.call(payload, time.monotonic() + limit)
             except BaseException:
-                self._discard()  # interrupted (Ctrl-C): never leave ranks mid-call
+                self._discard()  # interrupted (Ctrl-C): never leave ranks mid-call or mid-repair
                 raise
             if any(o.status != "ok" for o in outcomes):
                 self._after_failure(outcomes, timed_out)
@@ -98,12 +101,14 @@ class PersistentWorld(ABC, Generic[RanksT]):
             if self._ranks is None:
                 return True
             try:
-                healthy = self._ranks.healthy()
+                self._repair()
+                ranks = self._ranks
+                healthy = ranks is not None and ranks.healthy()
             except BaseException:
                 self._discard()  # interrupted (Ctrl-C): never leave ranks mid-barrier
                 raise
             if not healthy:
-                self._discard()
+                self._after_unhealthy()
             return healthy
 
     def close(self) -> None:
@@ -131,10 +136,18 @@ class PersistentWorld(ABC, Generic[RanksT]):
     def _after_failure(self, outcomes: list[RankOutcome], timed_out: bool) -> None:
         """Make the ranks fit for the next call after one that did not succeed everywhere."""
 
+    def _after_unhealthy(self) -> None:
+        """After a failed health check: drop the ranks (the next call starts new ones)."""
+        self._discard()
+
+    def _repair(self) -> None:
+        """Before a call or health check: mend ranks a failure left unfit, or drop them."""
+
     # --- the ranks ---------------------------------------------------------------------
 
     def _ready(self) -> RanksT:
-        """The ranks, started when there are none; called with the lock held."""
+        """The ranks, repaired, or started when there are none; called with the lock held."""
+        self._repair()
         if self._ranks is None:
             self._ranks = self._start_ranks()
             self.generations += 1
