@@ -54,7 +54,7 @@ def _run(args: argparse.Namespace) -> int:
     from harness import session
 
     junit = Path(args.junit) if args.junit else None
-    config = _config(args, junit=junit)
+    config = _config(args, junit=junit, workers=args.jobs)
     try:
         return session.run(config, extra=args.pytest_args)
     except InvalidArgument as exc:  # the machine refused the options (session.run checks it)
@@ -78,7 +78,7 @@ def _config(args: argparse.Namespace, **more: Any) -> RunConfig:
             **{k: v for k, v in more.items() if v is not None},
         )
     except InvalidArgument as exc:
-        raise as_option(exc) from None
+        raise as_option(exc, {"workers": "--jobs"}) from None
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -143,6 +143,13 @@ def _parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run the conformance suites")
     _add_run_options(run, out=DEFAULTS.out)
     run.add_argument("--junit", default=None, help="also write JUnit XML here (CI annotations)")
+    run.add_argument(
+        "--jobs",
+        type=int,
+        default=_usable_cpus(),
+        help="pytest-xdist workers, each with its own Worlds (default: the usable CPUs, here "
+        f"{_usable_cpus()}; 1: one process; a -n among the pytest arguments wins)",
+    )
     run.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     run.set_defaults(handler=_run)
     listing = commands.add_parser("list", help="print the spec catalogue")

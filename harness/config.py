@@ -18,6 +18,7 @@ from pathlib import Path
 from harness import catalogue
 from harness.errors import (
     InvalidArgument,
+    check_int,
     check_one_of,
     check_seconds,
     invalid,
@@ -61,6 +62,9 @@ class RunConfig:
     timed fastest go first."""
     exitfirst: bool = False
     """Stop at the first failing test (a fault run needs only one)."""
+    workers: int = 1
+    """pytest-xdist workers for the run (each with its own Worlds; their results are merged);
+    1 runs in one process. ``mutate`` keeps 1 and runs several faults at once instead."""
 
     def __post_init__(self) -> None:
         check_one_of("runner", self.runner, RUNNERS)
@@ -79,6 +83,7 @@ class RunConfig:
             values = getattr(self, name)
             ok = isinstance(values, tuple) and all(isinstance(v, str) and v for v in values)
             require(ok, name, values, "a tuple of non-empty strings")
+        check_int("workers", self.workers)
         for path in self.cheap_first:
             require(path.exists(), "cheap_first", str(path), "a results file or a directory")
 

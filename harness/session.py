@@ -68,6 +68,8 @@ def pytest_arguments(
         arguments.append(f"--distconf-cheap-first={','.join(map(str, config.cheap_first))}")
     if config.exitfirst:
         arguments.append("--exitfirst")
+    if config.workers > 1 and not _names_workers(extra):
+        arguments += ["-n", str(config.workers)]
     return [*arguments, *extra]
 
 
@@ -76,6 +78,13 @@ def run_pytest(config: RunConfig, *, tests: Sequence[str] = (), extra: Sequence[
     import pytest
 
     return int(pytest.main(pytest_arguments(config, tests=tests, extra=extra)))
+
+
+def _names_workers(extra: Sequence[str]) -> bool:
+    """Whether the extra pytest arguments choose xdist's workers themselves (they win)."""
+    return any(
+        a in ("-n", "--numprocesses") or a.startswith(("-n", "--numprocesses=")) for a in extra
+    )
 
 
 def with_seed(config: RunConfig) -> RunConfig:

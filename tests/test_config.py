@@ -6,12 +6,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
 
-from harness import InvalidArgument, cli
+from harness import InvalidArgument, cli, session
 from harness.config import DEFAULTS, RunConfig, as_option, parse_world_sizes
 from harness.runners import DEFAULT_TIMEOUT, RUNNERS
 
@@ -37,6 +37,7 @@ def test_the_defaults_are_a_valid_run_of_every_suite():
         ("out", "reports", "out='reports' must be a pathlib.Path"),
         ("faults", ("",), "faults=('',) must be a tuple of non-empty strings"),
         ("cheap_first", (Path("/no/such/results"),), "cheap_first='/no/such/results' must be"),
+        ("workers", 0, "workers=0 must be a positive int"),
     ],
 )
 def test_a_bad_field_is_refused_naming_it(field, value, message):
@@ -93,3 +94,21 @@ def test_random_profiles_stay_random_under_a_ci_variable(in_ci):
         [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
     )
     assert shown.stdout.strip() == "[True, False, True, True]", shown.stdout + shown.stderr
+
+
+@pytest.mark.parametrize(
+    ("workers", "extra", "expected"),
+    [(1, [], None), (3, [], ["-n", "3"]), (3, ["-n", "1"], None), (3, ["-n2"], None)],
+)
+def test_a_run_spreads_over_its_workers_unless_pytest_arguments_say_otherwise(
+    workers, extra, expected
+):
+    arguments = session.pytest_arguments(replace(DEFAULTS, workers=workers), extra=extra)
+    ours = arguments[: len(arguments) - len(extra)]
+    found = ours[ours.index("-n") : ours.index("-n") + 2] if "-n" in ours else None
+    assert found == expected
+
+
+def test_the_cli_spells_workers_as_jobs(tmp_path, capsys):
+    assert cli.main(["run", "--jobs", "0", "--out", str(tmp_path)]) == cli.USAGE_ERROR
+    assert "--jobs=0 must be a positive int" in capsys.readouterr().err

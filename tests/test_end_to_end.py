@@ -50,8 +50,9 @@ def test_run_writes_one_record_per_spec_and_world_size(tmp_path):
         str(tmp_path / "junit.xml"),
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
-    tests = [r for r in records if r["kind"] == "test"]
+    files = sorted(tmp_path.glob("results*.jsonl"))  # one per xdist worker: --jobs by default
+    by_file = [[json.loads(line) for line in path.read_text().splitlines()] for path in files]
+    tests = [r for records in by_file for r in records if r["kind"] == "test"]
     catalogued = catalogue.load().values()
     specs = {s.id for s in catalogued if s.suite == "placements" and s.status == "active"}
     assert "placements.redistribute.partial_target_rejected" in specs
@@ -59,7 +60,7 @@ def test_run_writes_one_record_per_spec_and_world_size(tmp_path):
     needs_two_ranks = {("placements.ops.scan_negative_dim", 1)}
     expected = {(s, w) for s in specs for w in (1, 3)} - needs_two_ranks
     assert {(r["spec"], r["world_size"]) for r in tests} == expected
-    assert records[0]["profile"] == "dev" and records[-1]["kind"] == "end"
+    assert all(r[0]["profile"] == "dev" and r[-1]["kind"] == "end" for r in by_file)
     assert "0 unexpected outcome(s)" in done.stdout
     report = (tmp_path / "report.html").read_text()
     assert "All conformant" in report

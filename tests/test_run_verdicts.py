@@ -48,11 +48,13 @@ def test_passes(world):
 """
 
 
-def _command(tmp_path: Path, *options: str, select: str, runner: str = "threads") -> list[str]:
+def _command(
+    tmp_path: Path, *options: str, select: str, runner: str = "threads", jobs: str = "1"
+) -> list[str]:
     (tmp_path / "test_rows.py").write_text(ROWS)
     return [
         sys.executable, "-m", "harness", "run", "--runner", runner, "--suite", "uneven",
-        "--world-sizes", "2", "--profile", "dev", "--seed", "1",
+        "--world-sizes", "2", "--profile", "dev", "--seed", "1", "--jobs", jobs,
         "--out", str(tmp_path / "out"), "--junit", str(tmp_path / "out" / "junit.xml"),
         *options, "--", str(tmp_path / "test_rows.py"), "-k", select,
     ]  # fmt: skip
@@ -62,9 +64,11 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
-def _run(tmp_path: Path, *options: str, select: str, runner: str = "threads") -> tuple[int, str]:
+def _run(
+    tmp_path: Path, *options: str, select: str, runner: str = "threads", jobs: str = "1"
+) -> tuple[int, str]:
     done = subprocess.run(
-        _command(tmp_path, *options, select=select, runner=runner),
+        _command(tmp_path, *options, select=select, runner=runner, jobs=jobs),
         cwd=tmp_path, capture_output=True, text=True, timeout=300, env=_env(), check=False,
     )  # fmt: skip
     return done.returncode, done.stdout + done.stderr
@@ -79,8 +83,9 @@ def _verdicts(out: Path) -> tuple[str, str]:
     return kind, junit["distconf_verdict"]
 
 
-def test_a_rank_thread_ending_the_process_is_a_crash_naming_the_test(tmp_path):
-    code, output = _run(tmp_path, select="dies")
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_a_rank_thread_ending_the_process_is_a_crash_naming_the_test(tmp_path, jobs):
+    code, output = _run(tmp_path, select="dies", jobs=jobs)
     assert code == 3, output[-3000:]
     assert "verdict: crashed: Crashed while running" in output
     assert "test_dies[threads-ws2-cpu]" in output
