@@ -494,7 +494,11 @@ def test_an_unknown_spec_outside_the_suites_is_a_usage_error(project):
         import pytest
 
         @pytest.mark.spec("demo.nosuch")
-        def test_checks_nothing_known():
+        def test_checks_nothing_known(world):
+            pass
+
+        @pytest.mark.spec("another project's marker")
+        def test_not_distconfs():
             pass
         """
     )
@@ -503,6 +507,7 @@ def test_an_unknown_spec_outside_the_suites_is_a_usage_error(project):
     run.stderr.fnmatch_lines(
         ["*test_elsewhere.py::test_checks_nothing_known names unknown spec ID 'demo.nosuch'*"]
     )
+    assert "another project" not in run.stderr.str()
 
 
 def test_a_missing_expectations_directory_is_a_usage_error(project):

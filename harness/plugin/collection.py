@@ -144,7 +144,9 @@ def check_and_mark(config: pytest.Config, items: list[pytest.Item]) -> None:
     elsewhere = [
         item
         for item in items
-        if item.get_closest_marker("spec") is not None and not _is_suite_item(item, suites)
+        if item.get_closest_marker("spec") is not None
+        and not _is_suite_item(item, suites)
+        and _uses_worlds(item)
     ]
     if not modules and not elsewhere:
         return
@@ -171,9 +173,15 @@ def check_and_mark(config: pytest.Config, items: list[pytest.Item]) -> None:
         raise pytest.UsageError(f"distconf: {exc}") from None
 
 
+def _uses_worlds(item: pytest.Item) -> bool:
+    """A distconf test outside the suites: it asks for a World (another project's ``spec``
+    marker is none of distconf's business)."""
+    return bool({"world", "worlds"} & set(getattr(item, "fixturenames", ())))
+
+
 def _check_spec_ids(items: list[pytest.Item], specs: dict[str, catalogue.Spec]) -> None:
-    """A test outside the suites that names a spec must name one the catalogue has: a
-    mistyped ID would otherwise count as a check of nothing (the suites' own tests get the
+    """A distconf test outside the suites that names a spec must name one the catalogue has:
+    a mistyped ID would otherwise count as a check of nothing (the suites' own tests get the
     fuller ``problems`` check)."""
     unknown = []
     for item in items:
