@@ -116,15 +116,9 @@ def fmt(value: float | None) -> str:
     return f"{value:.4g}"
 
 
-def recorded(metric: Metric) -> Verdict | None:
-    """The verdict recorded with ``metric`` (read with ``Verdict.read``); None for a record
-    that carries none."""
-    return metric.verdict
-
-
 def verdict(metric: Metric) -> Judged:
     """What the comparison's criterion gave; ``unrecorded`` for an old record."""
-    held = recorded(metric)
+    held = metric.verdict
     if held is None:
         return "unrecorded"
     return "within" if held.within else "outside"
@@ -134,7 +128,7 @@ def criterion(metric: Metric) -> str:
     """The criterion the comparison was held to, its tolerances written in:
     ``|a−b| ≤ 1.00e-06 + 1.00e-04·|b|``, ``|a−b| ≤ 32 × one device's float32 error
     (9.54e-07) + 1.00e-06``, ``exact: a = b``."""
-    held, rtol, atol = recorded(metric), metric.rtol, metric.atol
+    held, rtol, atol = metric.verdict, metric.rtol, metric.atol
     if held is None or rtol is None or atol is None:
         return NOT_RECORDED
     if rtol == 0 and atol == 0:
@@ -155,7 +149,7 @@ def criterion(metric: Metric) -> str:
 
 
 def _outside(metric: Metric) -> str | None:
-    held = recorded(metric)
+    held = metric.verdict
     if held is None or held.within:
         return None
     return f"{held.outside} of {held.elements} elements"
@@ -164,7 +158,7 @@ def _outside(metric: Metric) -> str | None:
 def _severity(metric: Metric) -> tuple[float, ...]:
     """Orders comparisons worst last: outside, then not recorded, then within; among those,
     by the share of its allowance used (an old record has only its raw errors)."""
-    held = recorded(metric)
+    held = metric.verdict
     if held is None:
         return (1, metric.max_rel, metric.max_abs)
     return (0 if held.within else 2, held.allowance_used, metric.max_rel, metric.max_abs)
@@ -188,7 +182,7 @@ def rows(records: Sequence[Record]) -> tuple[ParityRow, ...]:
                 worst=worst,
                 worst_in=column_of(where).label,
                 tests=len(pairs),
-                held=recorded(worst),
+                held=worst.verdict,
                 criterion=criterion(worst),
                 verdict=verdict(worst),
                 outside=_outside(worst),
