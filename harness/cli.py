@@ -1,10 +1,12 @@
-"""The distconf command line: ``python -m harness run | list | report | mutate | bench``.
+"""The distconf command line: ``python -m harness run | list | report | expectations | mutate |
+bench``.
 
 Argument parsing and dispatch only: ``run`` is ``harness.session.run``, ``mutate`` is
 ``harness.mutation.mutate.command``, ``report`` is ``harness.report.render_report``, ``bench``
-is ``harness.bench.main``. A value an option does not accept, or an input that cannot be
-read, is refused before anything runs: ``error: --option=value must be ...`` and exit code 4
-(pytest's usage error, which a run's bad pytest options give too).
+is ``harness.bench.main``, ``expectations`` is ``harness.review``. A value an option does not
+accept, or an input that cannot be read, is refused before anything runs:
+``error: --option=value must be ...`` and exit code 4 (pytest's usage error, which a run's bad
+pytest options give too).
 """
 
 from __future__ import annotations
@@ -158,6 +160,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     listing.set_defaults(handler=_list)
     _add_report(commands)
+    _add_expectations(commands)
     _add_mutate(commands)
     _add_bench(commands)
     return parser
@@ -215,6 +218,45 @@ def _add_report(commands: Any) -> None:
         help="a mutation.json of `mutate`: adds the fault table",
     )
     report.set_defaults(handler=_report)
+
+
+def _expectations(args: argparse.Namespace) -> int:
+    from harness import expectations, review
+
+    results = [Path(p) for p in args.results]
+    directory = Path(args.expectations) if args.expectations else expectations.DEFAULT_DIR
+    if args.action == "check":
+        return review.check(results, directory)
+    return review.update(
+        results, directory, verified=args.verified, fixed=args.fixed, dry_run=args.dry_run
+    )
+
+
+def _add_expectations(commands: Any) -> None:
+    parser = commands.add_parser(
+        "expectations", help="what a run says about each known deviation; record a review"
+    )
+    parser.add_argument(
+        "action",
+        choices=("check", "update"),
+        help="check: list what the run says about each expectation; update: record a review",
+    )
+    parser.add_argument("results", nargs="+", help="results files (or directories of them)")
+    parser.add_argument(
+        "--expectations", default=None, help="directory of *.toml (default: specs/expectations)"
+    )
+    parser.add_argument(
+        "--verified",
+        action="store_true",
+        help="update: add the run's torch to `verified` of deviations it saw as they are known",
+    )
+    parser.add_argument(
+        "--fixed",
+        action="store_true",
+        help="update: end the `torch` range below the run's torch for deviations it saw fixed",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="update: print, write nothing")
+    parser.set_defaults(handler=_expectations)
 
 
 def _add_mutate(commands: Any) -> None:

@@ -5,10 +5,18 @@ Each ``[[expect]]`` entry names a spec ID, the conditions under which torch devi
 fail, and passing is reported as an unexpected pass; ``skip``: do not run, for deviations
 that hang or crash; ``flaky``: may fail or pass), why, and an upstream link. A deviation never
 hides a failure without its reason: the reason and link travel into the results record.
+
+An entry pins the deviation, not the spec: its ``fingerprint`` (a regular expression) must be
+found in the failure's text, else the failure is a different one and fails the test
+(``harness.plugin.deviations``). ``torch`` is the range the deviation applies to, open-ended
+until a release fixes it; ``verified`` lists the releases on which someone saw it. On a torch
+outside ``verified`` a matching failure is a known deviation still to be verified there
+(``harness.triage``), and ``harness expectations update`` records the verification.
 """
 
 from __future__ import annotations
 
+import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -16,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 
 # ExpectationError is re-exported: callers catch ``expectations.ExpectationError``.
 from harness.errors import ExpectationError as ExpectationError
@@ -26,7 +34,9 @@ DEFAULT_DIR = Path(__file__).resolve().parent.parent / "specs" / "expectations"
 STATUSES = ("xfail", "skip", "flaky")
 _REQUIRED = ("spec", "status", "reason", "link")
 _CONDITIONS = ("torch", "runner", "device", "world_size")
-_OPTIONAL = (*_CONDITIONS, "raises", "example")
+_OPTIONAL = (*_CONDITIONS, "raises", "example", "fingerprint", "verified")
+_RUNS = ("xfail", "flaky")
+"""Statuses whose test runs, so that its failure can be checked against the fingerprint."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,19 @@ class Expectation:
     raises: tuple[str, ...] = ()
     """Exception class names the deviation shows as; any other failure stays a failure."""
     example: str = ""
+    fingerprint: re.Pattern[str] | None = None
+    """Found in the text of the known failure (``failure_text``); None only for ``skip``."""
+    verified: tuple[str, ...] = ()
+    """The torch releases on which the deviation was seen."""
+
+    def verified_on(self, torch: str) -> bool:
+        """Whether the deviation was seen on this torch (its local build tag aside)."""
+        here = Version(torch).public
+        return any(Version(v).public == here for v in self.verified)
+
+    def recognises(self, failure: str) -> bool:
+        """Whether ``failure`` (``failure_text`` of an exception) is this deviation."""
+        return self.fingerprint is None or self.fingerprint.search(failure) is not None
 
     def matches(self, *, spec: str, runner: str, device: str, world_size: int, torch: str) -> bool:
         return (
@@ -54,7 +77,8 @@ class Expectation:
             and (not self.world_size or world_size in self.world_size)
         )
 
-    def as_record(self) -> dict[str, Any]:
+    def as_record(self, torch: str) -> dict[str, Any]:
+        """The entry as a results record keeps it, for a run on ``torch``."""
         conditions = {
             "torch": str(self.torch) if self.torch is not None else None,
             "runner": list(self.runner) or None,
@@ -67,7 +91,15 @@ class Expectation:
             "link": self.link,
             "source": self.source,
             "conditions": {k: v for k, v in conditions.items() if v is not None},
+            "fingerprint": self.fingerprint.pattern if self.fingerprint else None,
+            "verified": list(self.verified),
+            "verified_here": self.verified_on(torch),
         }
+
+    def seen(self, torch: str) -> str:
+        """Where the deviation was seen, said for a run on ``torch``."""
+        on = ", ".join(self.verified)
+        return f"verified on {on}" if self.verified_on(torch) else f"verified on {on}, not {torch}"
 
 
 def load(directory: Path = DEFAULT_DIR) -> list[Expectation]:
@@ -99,6 +131,7 @@ def _parse(entry: Mapping[str, Any], source: str) -> Expectation:
         raise ExpectationError(f"{source}: needs non-empty string fields {missing}")
     with raised_as(ExpectationError, source):
         check_one_of("status", entry["status"], STATUSES)
+        fingerprint = _fingerprint(entry)
         return Expectation(
             spec=entry["spec"],
             status=entry["status"],
@@ -111,7 +144,42 @@ def _parse(entry: Mapping[str, Any], source: str) -> Expectation:
             world_size=_ints(entry, "world_size"),
             raises=_strings(entry, "raises"),
             example=str(entry.get("example", "")),
+            fingerprint=fingerprint,
+            verified=_versions(entry),
         )
+
+
+def _fingerprint(entry: Mapping[str, Any]) -> re.Pattern[str] | None:
+    value = entry.get("fingerprint")
+    if value is None:
+        require(
+            entry["status"] not in _RUNS,
+            "fingerprint",
+            value,
+            f"a regular expression found in the known failure's text (status {entry['status']!r} "
+            "runs the test, so its failure must be told apart from other failures)",
+        )
+        return None
+    require(
+        isinstance(value, str) and value.strip() != "", "fingerprint", value, "a non-empty string"
+    )
+    try:
+        return re.compile(value, re.DOTALL)
+    except re.error as exc:
+        fail("fingerprint", value, f"a valid regular expression ({exc})")
+
+
+def _versions(entry: Mapping[str, Any]) -> tuple[str, ...]:
+    value = entry.get("verified")
+    what = "a non-empty list of the torch releases the deviation was seen on, e.g. ['2.13.0']"
+    if not (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
+        fail("verified", value, what)
+    for version in value:
+        try:
+            Version(version)
+        except InvalidVersion:
+            fail("verified", value, f"{what}; {version!r} is not a version")
+    return tuple(value)
 
 
 def _specifier(value: Any) -> SpecifierSet | None:
@@ -161,15 +229,26 @@ def find(
     return found[0] if found else None
 
 
+def failure_text(exc: BaseException) -> str:
+    """The text a fingerprint is searched in: each exception of ``exc`` (the leaves of an
+    exception group) as ``Type: message``; a ``RankFailure``'s message holds every rank's."""
+    if isinstance(exc, BaseExceptionGroup):
+        return "\n".join(failure_text(inner) for inner in exc.exceptions)
+    return f"{type(exc).__name__}: {exc}"
+
+
 class ExpectationWarning(UserWarning):
     """An expectation that matched no test of the suites that ran."""
 
 
-def marker_for(expectation: Expectation) -> Any:
-    """The pytest mark that applies ``expectation`` to a test."""
+def marker_for(expectation: Expectation, torch: str) -> Any:
+    """The pytest mark that applies ``expectation`` to a test on ``torch``."""
     import pytest
 
-    why = f"known deviation ({expectation.source}): {expectation.reason} [{expectation.link}]"
+    why = (
+        f"known deviation ({expectation.source}; {expectation.seen(torch)}): "
+        f"{expectation.reason} [{expectation.link}]"
+    )
     if expectation.status == "skip":
         return pytest.mark.skip(reason=why)
     raises = tuple(_exception_class(name, expectation.source) for name in expectation.raises)

@@ -99,7 +99,8 @@ class TestRecord:
     """A shell command that re-runs this test with the same World and hypothesis settings."""
     expectation: dict[str, Any] | None = None
     """The known deviation (``specs/expectations``) this test ran under: status, reason, link,
-    source."""
+    source, conditions, fingerprint, verified (the releases it was seen on), verified_here
+    (this torch among them) and, for a failure that is not the deviation, mismatch (why)."""
     kind: str = "test"
 
     def __post_init__(self) -> None:

@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from harness import catalogue, forked, junit, verdict
+from harness import catalogue, forked, junit, triage, verdict
 from harness.config import RunConfig, suite_paths
 from harness.errors import ReportError
 from harness.profiles import needs_seed
@@ -122,6 +122,23 @@ def run(config: RunConfig, *, extra: Sequence[str] = ()) -> int:
     return judged.exit_code or exit_code or report_code
 
 
+def _print_triage(read: dict[Path, Any], tests: list[dict[str, Any]]) -> None:
+    """What the run says about known deviations, per spec, for the torch it ran."""
+    found = triage.findings(map(triage.seen, tests))
+    if not found:
+        return
+    versions = {
+        triage.release(str(r.header.get("torch"))) for r in read.values() if r.header is not None
+    }
+    torch = ", ".join(sorted(versions)) or "this torch"
+    print(f"\ntorch {torch}:")
+    for category in triage.CATEGORIES:
+        lines = [triage.describe(f, torch) for f in found if f.category == category]
+        if lines:
+            print(f"  {triage.TITLES[category]} ({len(lines)} spec(s)):")
+            print("\n".join(f"    {line}" for line in lines))
+
+
 def keep_earlier(out: Path) -> Path | None:
     """Move an earlier run's records and report in ``out`` to ``out/earlier/<its start>/``,
     so that a new run never summarises them and never loses them; where they went."""
@@ -190,6 +207,7 @@ def summarise(paths: list[Path]) -> RunVerdict:
             print(f"warning: {path} has no end record: the run did not finish, results are partial")
     unexpected = sum(map(is_unexpected, tests))
     print(f"{unexpected} unexpected outcome(s)")
+    _print_triage(read, tests)
     judged = verdict.of_results([(str(path), results) for path, results in read.items()])
     print(f"verdict: {judged.kind}: {judged.text}")
     return judged

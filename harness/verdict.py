@@ -10,11 +10,15 @@ kind            exit  when
 ``interrupted``    2  a session ended by an interrupt (Ctrl-C, SIGINT, a collection error)
 ``crashed``        3  a results file has no end record: its process died (``os._exit``, a
                       signal, memory); the tests it was running are named
-``fail``           1  a test has an unexpected outcome
+``fail``           1  a test failed where no deviation is known (``harness.triage``: new)
+``changed``        6  a spec with a known deviation failed otherwise than the deviation does
+``fixed``          7  a known deviation did not happen: its expectation must be updated
 ``partial``        3  a test started and recorded no outcome, or some lines of a results
                       file could not be read
+``unverified``     8  known deviations held, on a torch they were not verified on
+                      (``harness expectations update RESULTS --verified``, after review)
 ``empty``          5  nothing was checked: no test recorded an outcome, or every test skipped
-``pass``           0  all conformant
+``pass``           0  all conformant, or known deviations verified on this torch
 ==============  ====  ========================================================================
 """
 
@@ -25,9 +29,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from harness.results import SEVERITY, TITLES, Results, is_unexpected
+from harness import triage
+from harness.results import SEVERITY, TITLES, Results
 
-EXIT_CODES = {"pass": 0, "fail": 1, "interrupted": 2, "crashed": 3, "partial": 3, "empty": 5}
+EXIT_CODES = {
+    "pass": 0,
+    "fail": 1,
+    "interrupted": 2,
+    "crashed": 3,
+    "partial": 3,
+    "empty": 5,
+    "changed": 6,
+    "fixed": 7,
+    "unverified": 8,
+}
+UNEXPECTED = ("new", "different", "fixed")
+"""The triage categories that are unexpected outcomes (a person must look)."""
+Outcome = tuple[str, str | None]
+"""A test's status and its ``harness.triage`` category."""
 INTERRUPTED_EXIT_STATUS = 2
 """pytest's ``ExitCode.INTERRUPTED``, as the end record keeps it."""
 
@@ -72,15 +91,15 @@ def of_results(files: Sequence[tuple[str, Results]]) -> RunVerdict:
     """The verdict on raw results files (path, contents)."""
     states = [FileState.of(path, results) for path, results in files]
     outcomes = [
-        (str(record.get("status")), is_unexpected(record))
+        (str(record.get("status")), triage.category(record))
         for _, results in files
         for record in results.tests
     ]
     return run_verdict(states, outcomes)
 
 
-def run_verdict(files: Sequence[FileState], outcomes: Sequence[tuple[str, bool]]) -> RunVerdict:
-    """The verdict on a run: its files' states and each test's (status, unexpected)."""
+def run_verdict(files: Sequence[FileState], outcomes: Sequence[Outcome]) -> RunVerdict:
+    """The verdict on a run: its files' states and each test's (status, triage category)."""
     details = tuple(_problems(outcomes) + _tally(outcomes))
     interrupted = [f for f in files if f.interrupted]
     if interrupted:
@@ -92,9 +111,15 @@ def run_verdict(files: Sequence[FileState], outcomes: Sequence[tuple[str, bool]]
     crashed = [f for f in files if f.end is None]
     if crashed:
         return RunVerdict("crashed", _crash_headline(crashed), details)
-    bad = sum(unexpected for _, unexpected in outcomes)
-    if bad:
-        return RunVerdict("fail", f"{bad} unexpected outcome{'s' * (bad != 1)}", details)
+    found = Counter(category for _, category in outcomes if category is not None)
+    bad = sum(found[c] for c in UNEXPECTED)
+    unexpected = f"{bad} unexpected outcome{'s' * (bad != 1)}"
+    if found["new"]:
+        return RunVerdict("fail", unexpected, details)
+    if found["different"]:
+        return RunVerdict("changed", f"{unexpected}: {triage.TITLES['different']}", details)
+    if found["fixed"]:
+        return RunVerdict("fixed", f"{unexpected}: {triage.TITLES['fixed']}", details)
     lost = [nodeid for f in files for nodeid in f.unfinished]
     if lost:
         headline = f"{len(lost)} test(s) started and recorded no outcome: {', '.join(lost)}"
@@ -103,6 +128,13 @@ def run_verdict(files: Sequence[FileState], outcomes: Sequence[tuple[str, bool]]
     if unreadable:
         headline = f"No unexpected outcomes, but {unreadable} record line(s) could not be read"
         return RunVerdict("partial", headline, details)
+    if found["unverified"]:
+        headline = (
+            f"{found['unverified']} test(s) failed as known deviations do, on a torch those "
+            "deviations were not verified on: review, then `harness expectations update "
+            "RESULTS --verified`"
+        )
+        return RunVerdict("unverified", headline, details)
     checked = sum(status != "skipped" for status, _ in outcomes)
     if not checked:
         what = f"all {len(outcomes)} tests skipped" if outcomes else "no test recorded an outcome"
@@ -118,8 +150,8 @@ def _crash_headline(crashed: Sequence[FileState]) -> str:
     return f"Crashed: no end record in {files}; the session died between tests"
 
 
-def _problems(outcomes: Sequence[tuple[str, bool]]) -> list[str]:
-    bad = Counter(status for status, unexpected in outcomes if unexpected)
+def _problems(outcomes: Sequence[Outcome]) -> list[str]:
+    bad = Counter(status for status, category in outcomes if category in UNEXPECTED)
     ordered = sorted(bad.items(), key=lambda item: _severity(item[0]))
     return (
         [", ".join(f"{count} {TITLES.get(status, status)}" for status, count in ordered)]
@@ -128,10 +160,14 @@ def _problems(outcomes: Sequence[tuple[str, bool]]) -> list[str]:
     )
 
 
-def _tally(outcomes: Sequence[tuple[str, bool]]) -> list[str]:
+def _tally(outcomes: Sequence[Outcome]) -> list[str]:
     ran = sum(status != "skipped" for status, _ in outcomes)
-    expected = sum(status == "xfailed" for status, _ in outcomes)
-    return [f"{len(outcomes)} tests, {ran} ran, {expected} known deviations held as expected"]
+    found = Counter(category for _, category in outcomes)
+    held = found["known"] + found["unverified"]
+    unverified = (
+        f" ({found['unverified']} not verified on this torch)" if found["unverified"] else ""
+    )
+    return [f"{len(outcomes)} tests, {ran} ran, {held} known deviations held{unverified or ''}"]
 
 
 def _severity(status: str) -> int:

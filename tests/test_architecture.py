@@ -29,6 +29,7 @@ ENGINE = (
     "harness.bench",
     "harness.forked",
     "harness.junit",
+    "harness.review",
 )
 BELOW_THE_ENGINE = (
     "harness.parity",
@@ -36,6 +37,7 @@ BELOW_THE_ENGINE = (
     "harness.verdict",
     "harness.catalogue",
     "harness.expectations",
+    "harness.triage",
     "harness.profiles",
     "harness.faults",
 )

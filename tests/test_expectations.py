@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import textwrap
+from importlib import metadata
 
 import pytest
 
 from harness import expectations
+
+TORCH = metadata.version("torch")
 
 ENTRY = """
 [[expect]]
@@ -16,6 +19,8 @@ status = "{status}"
 reason = "torch sums twice"
 link = "https://example.invalid/issue/1"
 torch = ">=2.13,<2.14"
+fingerprint = "sums twice"
+verified = ["2.13.0"]
 {extra}
 """
 
@@ -35,7 +40,9 @@ def test_matching_honours_every_condition(tmp_path):
     assert not entry.matches(**{**match, "runner": "processes"})
     assert not entry.matches(**{**match, "world_size": 4})
     assert not entry.matches(**{**match, "spec": "demo.other"})
-    assert entry.as_record()["conditions"] == {
+    assert entry.as_record("2.13.0+cpu")["verified_here"]
+    assert not entry.as_record("2.15.0")["verified_here"]
+    assert entry.as_record("2.13.0")["conditions"] == {
         "torch": "<2.14,>=2.13",
         "runner": ["threads"],
         "world_size": [2],
@@ -62,11 +69,46 @@ def test_matching_honours_every_condition(tmp_path):
             "world_size=\\[0\\] must be a list of positive",
         ),
         ("[[expect", "not valid TOML"),
+        (
+            ENTRY.format(status="xfail", extra="").replace('fingerprint = "sums twice"', ""),
+            "fingerprint=None must be a regular expression found in the known failure's text",
+        ),
+        (
+            ENTRY.format(status="xfail", extra="").replace('"sums twice"', '"sums (twice"'),
+            "fingerprint='sums \\(twice' must be a valid regular expression",
+        ),
+        (
+            ENTRY.format(status="xfail", extra="").replace('verified = ["2.13.0"]', ""),
+            "verified=None must be a non-empty list of the torch releases",
+        ),
+        (
+            ENTRY.format(status="xfail", extra="").replace('["2.13.0"]', '["thirteen"]'),
+            "'thirteen' is not a version",
+        ),
     ],
 )
 def test_malformed_entries_name_file_entry_and_field(tmp_path, text, message):
     with pytest.raises(expectations.ExpectationError, match=message):
         _write(tmp_path, text)
+
+
+def test_a_skip_needs_no_fingerprint_and_a_fingerprint_pins_the_failure(tmp_path):
+    (entry,) = _write(
+        tmp_path, ENTRY.format(status="skip", extra="").replace('fingerprint = "sums twice"', "")
+    )
+    assert entry.fingerprint is None
+    (tmp_path / "e.toml").unlink()
+    (entry,) = _write(tmp_path, ENTRY.format(status="xfail", extra=""))
+    assert entry.recognises(expectations.failure_text(AssertionError("torch sums twice")))
+    assert not entry.recognises(expectations.failure_text(AssertionError("off by one")))
+    group = ExceptionGroup("two", [KeyError("k"), AssertionError("torch sums twice")])
+    assert expectations.failure_text(group) == "KeyError: 'k'\nAssertionError: torch sums twice"
+
+
+def test_verification_ignores_the_local_build_tag(tmp_path):
+    (entry,) = _write(tmp_path, ENTRY.format(status="xfail", extra=""))
+    assert entry.verified_on("2.13.0+cpu") and not entry.verified_on("2.13.1")
+    assert entry.seen("2.15.0") == "verified on 2.13.0, not 2.15.0"
 
 
 def test_two_entries_for_one_test_is_an_error(tmp_path):
@@ -121,6 +163,14 @@ def test_hangs(world):
 @pytest.mark.spec("demo.wrong")
 def test_wrong_failure(world):
     raise KeyError("a harness bug, not the deviation")
+
+@pytest.mark.spec("demo.other")
+def test_other_failure(world):
+    assert world.run(_sums) == [3] * world.world_size, "torch sums thrice"
+
+@pytest.mark.spec("demo.unverified")
+def test_unverified(world):
+    assert world.run(_sums) == [2] * world.world_size, "torch sums twice"
 """
 
 EXPECTATIONS = """
@@ -129,24 +179,31 @@ spec = "demo.fails"
 status = "xfail"
 reason = "torch sums twice"
 link = "https://example.invalid/1"
+fingerprint = "sums twice"
+verified = ["{torch}"]
 
 [[expect]]
 spec = "demo.passes"
 status = "xfail"
 reason = "was broken in an older torch"
 link = "https://example.invalid/2"
+fingerprint = "."
+verified = ["{torch}"]
 
 [[expect]]
 spec = "demo.flaky"
 status = "flaky"
 reason = "sometimes"
 link = "https://example.invalid/3"
+fingerprint = "."
+verified = ["{torch}"]
 
 [[expect]]
 spec = "demo.hangs"
 status = "skip"
 reason = "hangs in all_to_all"
 link = "https://example.invalid/4"
+verified = ["{torch}"]
 
 [[expect]]
 spec = "demo.wrong"
@@ -154,6 +211,8 @@ status = "xfail"
 reason = "shows as an AssertionError"
 link = "https://example.invalid/5"
 raises = ["AssertionError"]
+fingerprint = "."
+verified = ["{torch}"]
 
 [[expect]]
 spec = "demo.fails"
@@ -161,12 +220,30 @@ status = "xfail"
 reason = "only on a runner that does not run here"
 link = "https://example.invalid/6"
 runner = ["processes"]
+fingerprint = "."
+verified = ["{torch}"]
+
+[[expect]]
+spec = "demo.other"
+status = "xfail"
+reason = "torch sums twice (a second bug makes it sum thrice)"
+link = "https://example.invalid/7"
+fingerprint = "sums twice"
+verified = ["{torch}"]
+
+[[expect]]
+spec = "demo.unverified"
+status = "xfail"
+reason = "torch sums twice, seen on an older release only"
+link = "https://example.invalid/8"
+fingerprint = "sums twice"
+verified = ["2.12.0"]
 """
 
 
 @pytest.fixture
 def project(pytester):
-    names = ("fails", "passes", "flaky", "hangs", "wrong")
+    names = ("fails", "passes", "flaky", "hangs", "wrong", "other", "unverified")
     pytester.makeini(
         "[pytest]\ndistconf_catalogue = catalogue.toml\ndistconf_suites = conformance\n"
         "distconf_expectations = expectations\n"
@@ -175,7 +252,9 @@ def project(pytester):
     (pytester.path / "conformance").mkdir()
     (pytester.path / "conformance" / "test_demo.py").write_text(SUITE)
     (pytester.path / "expectations").mkdir()
-    (pytester.path / "expectations" / "known.toml").write_text(EXPECTATIONS)
+    (pytester.path / "expectations" / "known.toml").write_text(
+        EXPECTATIONS.replace("{torch}", TORCH)
+    )
     return pytester
 
 
@@ -184,7 +263,7 @@ def test_expectations_mark_tests_and_travel_into_records(project):
     run = project.runpytest_subprocess(
         "-p", "no:cacheprovider", "--world-sizes=2", f"--distconf-results={results}", "-rsxX"
     )
-    run.assert_outcomes(xfailed=1, failed=2, skipped=1, xpassed=1)
+    run.assert_outcomes(xfailed=2, failed=3, skipped=1, xpassed=1)
     run.stdout.fnmatch_lines(["*expectation known.toml #6 (spec 'demo.fails') matched no test*"])
     records = {
         r["spec"]: r
@@ -200,17 +279,40 @@ def test_expectations_mark_tests_and_travel_into_records(project):
     assert records["demo.hangs"]["status"] == "skipped"
     assert "hangs in all_to_all" in records["demo.hangs"]["skip_reason"]
     assert records["demo.wrong"]["status"] == "failed"  # a KeyError is not the deviation
+    # An AssertionError, as the deviation raises, but not the deviation's failure:
+    other = records["demo.other"]
+    assert other["status"] == "failed"
+    assert (
+        "a different failure in a spec with a known deviation" in other["expectation"]["mismatch"]
+    )
+    run.stdout.fnmatch_lines(
+        ["*distconf: known deviation*", "*known.toml #7 (demo.other) expects*"]
+    )
+    assert records["demo.unverified"]["status"] == "xfailed"
+    assert not records["demo.unverified"]["expectation"]["verified_here"]
+    from harness import triage
     from harness.results import is_unexpected
 
     assert [s for s, r in sorted(records.items()) if is_unexpected(r)] == [
+        "demo.other",
         "demo.passes",
         "demo.wrong",
     ]
+    assert {s: triage.category(r) for s, r in records.items()} == {
+        "demo.fails": "known",
+        "demo.passes": "fixed",
+        "demo.flaky": None,
+        "demo.hangs": None,
+        "demo.wrong": "different",
+        "demo.other": "different",
+        "demo.unverified": "unverified",
+    }
 
 
 def test_an_expectation_for_an_unknown_spec_is_a_usage_error(project):
     (project.path / "expectations" / "bad.toml").write_text(
         '[[expect]]\nspec = "demo.nope"\nstatus = "skip"\nreason = "r"\nlink = "https://x.invalid"\n'
+        'verified = ["2.13.0"]\n'
     )
     run = project.runpytest_subprocess("-p", "no:cacheprovider", "--world-sizes=2")
     assert run.ret == pytest.ExitCode.USAGE_ERROR
@@ -246,7 +348,8 @@ def test_a_known_deviation_is_not_shrunk_and_a_real_failure_is(pytester):
     (pytester.path / "expectations").mkdir()
     (pytester.path / "expectations" / "known.toml").write_text(
         '[[expect]]\nspec = "demo.known"\nstatus = "xfail"\nreason = "off from 1000 on"\n'
-        'link = "https://example.invalid/1"\n'
+        'link = "https://example.invalid/1"\nfingerprint = "off from 1000"\n'
+        f'verified = ["{TORCH}"]\n'
     )
     results = pytester.path / "r.jsonl"
     run = pytester.runpytest_subprocess(

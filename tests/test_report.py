@@ -119,11 +119,24 @@ def test_every_section_is_there_and_the_verdict_is_red(rendered):
     assert "1 crashed, 1 timeout, 1 error, 1 failed, 1 unexpected pass" in verdict.text
 
 
+def test_the_versions_section_sorts_the_run_into_the_triage_categories(rendered):
+    _, tree = rendered
+    versions = tree.root.by_id("versions")
+    tiles = {
+        t.find_all(cls="t")[0].text: int(t.find_all(cls="n")[0].text)
+        for t in versions.find_all("div", "tile")
+    }
+    assert tiles == {"new": 4, "different": 0, "fixed": 1, "unverified": 0, "known": 1}
+    text = versions.text
+    assert "new failures" in text and "deviations fixed: an expected failure passed" in text
+    assert "fixed in " in text and "known deviation" in text
+
+
 def test_summary_counts_every_status_and_groups_skip_reasons(rendered):
     _, tree = rendered
     tiles = {
         t.find_all(cls="t")[0].text: int(t.find_all(cls="n")[0].text)
-        for t in tree.root.find_all("div", "tile")
+        for t in tree.root.by_id("summary").find_all("div", "tile")
     }
     assert tiles == {
         "passed": 8,

@@ -96,8 +96,9 @@ def apply_expectations(
     for item in items:
         entry = _expectation_for(item, entries, world_of(item), torch_version)
         if entry is not None:
-            item.add_marker(expectations.marker_for(entry))
-            state.of(item).expectation = entry.as_record()
+            item.add_marker(expectations.marker_for(entry, torch_version))
+            state.of(item).expectation = entry.as_record(torch_version)
+            state.of(item).expectation_entry = entry
             used.add(entry.source)
     for entry in entries:
         if entry.source not in used and specs[entry.spec].suite in suites:

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import settings
 
 from harness.config import RunConfig
-from harness.plugin import collection, gpus, options, recording, state
+from harness.plugin import collection, deviations, gpus, options, recording, state
 from harness.plugin.worlds import SessionWorlds
 from harness.results import ResultsWriter
 
@@ -78,6 +78,7 @@ class DistconfSession:
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
         report: pytest.TestReport = yield
+        deviations.check_known(item, report, call.excinfo)
         if self.writer is None:
             return report
         test = state.of(item)

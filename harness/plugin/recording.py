@@ -157,9 +157,16 @@ def record(item: pytest.Item, run: RunConfig) -> TestRecord:
         reproduce=reproduce_command(
             item.config, run, item.nodeid, key, every_size=uses_other_worlds(item)
         ),
-        expectation=test.expectation,
+        expectation=_expectation(test),
         **describe_outcome(test.phases),
     )
+
+
+def _expectation(test: state.TestState) -> dict[str, Any] | None:
+    """The test's known deviation, with why its failure was not that deviation, if so."""
+    if test.expectation is None or test.different_failure is None:
+        return test.expectation
+    return {**test.expectation, "mismatch": test.different_failure}
 
 
 def _first_failure(test: state.TestState) -> dict[str, Any]:

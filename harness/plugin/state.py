@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from harness.expectations import Expectation
 from harness.parity import ParityLog
 
 
@@ -18,6 +19,10 @@ class TestState:
 
     expectation: dict[str, Any] | None = None
     """The known deviation (``specs/expectations``) that matched it at collection."""
+    expectation_entry: Expectation | None = None
+    """The same, as loaded: its fingerprint is checked against the test's failure."""
+    different_failure: str | None = None
+    """Why a failure is not the known deviation (``deviations.check_known``)."""
     phases: dict[str, Any] = field(default_factory=dict)
     """``when`` -> (report, excinfo) of its setup, call and teardown."""
     examples: int | None = None

@@ -16,6 +16,7 @@ from typing import Any
 
 from harness.catalogue import Spec
 from harness.report.records import Expectation, Loaded, Metric, Record, SourceFile, text
+from harness.report.versions import Versions, versions
 from harness.results import SEVERITY as SEVERITY  # re-exported: the report's order of statuses
 from harness.results import TITLES as TITLES  # re-exported: the words of each status
 from harness.verdict import FileState, run_verdict
@@ -61,8 +62,7 @@ class StatusCount:
 @dataclass(frozen=True)
 class Verdict:
     kind: str
-    """A ``harness.verdict`` kind: ``interrupted``, ``crashed``, ``fail``, ``partial``,
-    ``empty`` or ``pass``."""
+    """A ``harness.verdict`` kind (``EXIT_CODES`` lists them)."""
     headline: str
     detail: str
 
@@ -195,6 +195,7 @@ class Report:
     coverage: str
     failures: tuple[Card, ...]
     expected: tuple[Card, ...]
+    versions: Versions
     anchors: Mapping[int, str]
     """The anchor of each record's card, by ``id(record)``: links from the matrix and diff."""
 
@@ -276,7 +277,7 @@ def verdict(loaded: Loaded, covered: str) -> Verdict:
         )
         for f in loaded.files
     ]
-    judged = run_verdict(states, [(r.status, r.unexpected) for r in loaded.records])
+    judged = run_verdict(states, [(r.status, r.category) for r in loaded.records])
     return Verdict(judged.kind, judged.headline, " · ".join((*judged.details, covered)))
 
 
@@ -453,5 +454,6 @@ def build(loaded: Loaded, specs: Mapping[str, Spec]) -> Report:
         coverage=coverage(grid),
         failures=tuple(failures),
         expected=tuple(expected),
+        versions=versions(loaded, records),
         anchors=anchors,
     )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness import triage
 from harness.errors import ReportError as ReportError  # re-exported: callers import it here
 from harness.parity import Verdict
 from harness.results import STATUSES, Results, is_unexpected, read_results
@@ -53,6 +54,8 @@ class Expectation:
     reason: str
     link: str | None
     source: str | None
+    verified: tuple[str, ...] = ()
+    """The torch releases the deviation was seen on (none in records before they were kept)."""
 
     @property
     def href(self) -> str | None:
@@ -73,6 +76,8 @@ class Record:
     device: str
     status: str
     unexpected: bool
+    category: str | None
+    """``harness.triage``'s category: new, different, fixed, unverified, known, or None."""
     duration: float | None
     examples: int | None
     falsifying_example: str | None
@@ -178,6 +183,7 @@ def _expectation(value: Any) -> Expectation | None:
         reason=text(value.get("reason")) or "",
         link=text(value.get("link")),
         source=text(value.get("source")),
+        verified=tuple(str(v) for v in value.get("verified") or () if isinstance(v, str)),
     )
 
 
@@ -198,6 +204,7 @@ def normalise(raw: Mapping[str, Any], source: str) -> tuple[Record, str | None]:
         device=text(raw.get("device")) or "?",
         status=str(status),
         unexpected=is_unexpected({**raw, "status": status}),
+        category=triage.category({**raw, "status": status}),
         duration=_float(raw.get("duration")),
         examples=_int(raw.get("examples")),
         falsifying_example=text(raw.get("falsifying_example")),

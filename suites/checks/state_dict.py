@@ -147,6 +147,53 @@ def full_state(model: nn.Module, optimizer: Any) -> FullState:
     return FullState({n: _full(p) for n, p in named}, optim, groups)
 
 
+def state_changes(before: FullState, after: FullState) -> list[str]:
+    """Every way ``after`` differs from ``before``, each said once and always alike (a
+    known deviation's fingerprint is the whole list): parameters, groups, optimizer state."""
+    changes = [
+        f"parameter {n} changed"
+        for n, v in before.params.items()
+        if not _same(v, after.params.get(n))
+    ]
+    if _by_value(before.groups) != _by_value(after.groups):
+        changes.append("parameter groups changed")
+    created = {n: _shown(s) for n, s in after.optim.items() if n not in before.optim}
+    if created and set(created) == set(after.params) and len(set(created.values())) == 1:
+        changes.append(
+            f"optimizer state created for every parameter ({next(iter(created.values()))})"
+        )
+    else:
+        changes += [f"optimizer state created for {n} ({shown})" for n, shown in created.items()]
+    changes += [f"optimizer state of {n} removed" for n in before.optim if n not in after.optim]
+    for name, entry in before.optim.items():
+        changes += [
+            f"optimizer state {name}[{key!r}] changed"
+            for key, value in entry.items()
+            if not _same(value, after.optim.get(name, {}).get(key, value))
+        ]
+    return changes
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return (
+            a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(a, b, equal_nan=True))
+        )
+    return bool(a == b)
+
+
+def _shown(state: dict[str, Any]) -> str:
+    """An optimizer state entry in brief: scalars by value, arrays as 0 when all zero."""
+    parts = []
+    for key, value in sorted(state.items()):
+        if isinstance(value, np.ndarray) and value.ndim == 0:
+            value = value.item()
+        if isinstance(value, np.ndarray):
+            value = "0" if not value.any() else "values"
+        parts.append(f"{key}={value}")
+    return ", ".join(parts)
+
+
 def assert_same_state(
     got: FullState,
     want: FullState,

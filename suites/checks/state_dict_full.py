@@ -196,15 +196,27 @@ def optim_fqn_on_rank(ctx: RankContext, case: StateDictCase) -> OptimView:
     )
 
 
-def side_effect_on_rank(ctx: RankContext, case: StateDictCase) -> tuple[FullState, FullState]:
-    """Two identical runs; one takes the optimizer state dict before its first step."""
+@dataclass(frozen=True)
+class SideEffect:
+    """Two identical runs, one of which took the optimizer state dict before its first step:
+    that run's state just before and just after taking it, and both runs' state after
+    training."""
+
+    before_taking: FullState
+    after_taking: FullState
+    plain: FullState
+    taken: FullState
+
+
+def side_effect_on_rank(ctx: RankContext, case: StateDictCase) -> SideEffect:
     runs = [build(ctx, case), build(ctx, case)]
+    before = full_state(runs[1].model, runs[1].optimizer)
     get_optimizer_state_dict(runs[1].model, runs[1].optimizer)
+    after = full_state(runs[1].model, runs[1].optimizer)
     for run in runs:
         run.train(ctx, 0, case.train.steps)
-    return full_state(runs[0].model, runs[0].optimizer), full_state(
-        runs[1].model, runs[1].optimizer
-    )
+    trained = [full_state(run.model, run.optimizer) for run in runs]
+    return SideEffect(before, after, *trained)
 
 
 def hyperparameters_on_rank(

@@ -1,0 +1,240 @@
+"""``python -m harness expectations``: what a run says about each known deviation, and the
+record of a person's review of it.
+
+``check RESULTS...`` lists every expectation of ``specs/expectations`` with what the run
+says about it (``harness.triage``), then the run's failures no expectation covers.
+``update RESULTS... --verified`` adds the run's torch release to ``verified`` of each
+expectation whose deviation the run saw and did not see otherwise (``unverified`` tests
+only, no ``different`` or ``fixed`` one); ``--fixed`` closes the ``torch`` range below the
+run's release for each expectation whose every test passed. Files are edited line by line,
+so their comments and layout stay; every change is checked (the edited file must load and
+say what was meant) before any file is written.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+import tomllib
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from harness import expectations, triage
+from harness.errors import ExpectationError, ReportError
+from harness.results import Results, read_results
+
+_HEADER = "[[expect]]"
+
+
+@dataclass(frozen=True)
+class Run:
+    """The test records of one run and the torch release it ran."""
+
+    torch: str
+    records: tuple[dict[str, Any], ...]
+
+    def under(self, entry: expectations.Expectation) -> list[dict[str, Any]]:
+        return [
+            r for r in self.records if (r.get("expectation") or {}).get("source") == entry.source
+        ]
+
+
+def read_run(paths: Sequence[Path]) -> Run:
+    """The records of ``paths`` (files, or directories of ``results*.jsonl``); one torch."""
+    files: list[Path] = []
+    for path in paths:
+        found = sorted(path.glob("results*.jsonl")) if path.is_dir() else [path]
+        if not found or not all(f.is_file() for f in found):
+            raise ReportError(
+                f"RESULTS={str(path)!r} must be a results file or a directory of them"
+            )
+        files += found
+    read: list[Results] = [read_results(f) for f in files]
+    versions = {
+        triage.release(str(r.header.get("torch")))
+        for r in read
+        if r.header is not None and r.header.get("torch")
+    }
+    if len(versions) != 1:
+        raise ReportError(
+            f"RESULTS={[str(p) for p in paths]!r} must be the results of one torch release; "
+            f"their headers name {sorted(versions) or 'none'}"
+        )
+    return Run(versions.pop(), tuple(record for r in read for record in r.tests))
+
+
+def status_line(entry: expectations.Expectation, run: Run) -> str:
+    """What the run says about one expectation."""
+    records = run.under(entry)
+    if records:
+        tally = Counter(triage.category(r) or str(r.get("status")) for r in records)
+        said = ", ".join(f"{n} {what}" for what, n in sorted(tally.items()))
+        return f"{said} [{entry.seen(run.torch)}]"
+    if entry.torch is not None and Version(run.torch) not in entry.torch:
+        return f"does not apply to torch {run.torch} (torch {entry.torch})"
+    if not any(r.get("spec") == entry.spec for r in run.records):
+        return "its spec did not run"
+    return "its spec ran, but not under this expectation's runner/device/world size"
+
+
+def check(paths: Sequence[Path], directory: Path) -> int:
+    """Print what the run says about each expectation, then its new failures; 0, or 1 when a
+    person must act (a new or different failure, a fixed or unverified deviation)."""
+    run = read_run(paths)
+    entries = expectations.load(directory)
+    print(f"torch {run.torch}: {len(entries)} expectations in {directory}")
+    for entry in entries:
+        print(f"  {entry.source:<22} {entry.spec:<50} {status_line(entry, run)}")
+    new = [f for f in triage.findings(map(triage.seen, run.records)) if f.category == "new"]
+    if new:
+        print(f"failures no expectation covers ({len(new)} spec(s)):")
+        print("\n".join(f"  {triage.describe(f, run.torch)}" for f in new))
+    tally = triage.counts_of(triage.category(r) for r in run.records)
+    return int(any(tally[c] for c in ("new", "different", "fixed", "unverified")))
+
+
+@dataclass(frozen=True)
+class Edit:
+    path: Path
+    index: int
+    """0-based position of the entry in its file."""
+    field: str
+    value: Any
+    why: str
+
+
+def plan(
+    run: Run, entries: Sequence[expectations.Expectation], *, verified: bool, fixed: bool
+) -> tuple[list[Edit], list[str]]:
+    """The edits the run justifies, and why each other expectation it touched is left."""
+    edits: list[Edit] = []
+    left: list[str] = []
+    for entry in entries:
+        found = Counter(triage.category(r) for r in run.under(entry))
+        if not found:
+            continue
+        path, index = _located(entry)
+        if verified and found["unverified"] and set(found) <= {"unverified", "known", None}:
+            seen = [*entry.verified, run.torch]
+            edits.append(Edit(path, index, "verified", seen, f"seen on {run.torch}"))
+        elif fixed and set(found) == {"fixed"}:
+            edits.append(
+                Edit(path, index, "torch", _closed(entry, run.torch), f"fixed in {run.torch}")
+            )
+        elif found["different"] or found["fixed"] or found["unverified"]:
+            said = ", ".join(f"{n} {c}" for c, n in found.items() if c)
+            left.append(f"{entry.source} ({entry.spec}): {said}: left for a person to edit")
+    return edits, left
+
+
+def _located(entry: expectations.Expectation) -> tuple[Path, int]:
+    name, _, number = entry.source.rpartition(" #")
+    return Path(name), int(number) - 1
+
+
+def _closed(entry: expectations.Expectation, release: str) -> str:
+    kept = [s for s in (entry.torch or SpecifierSet()) if s.operator not in ("<", "<=", "==")]
+    return ",".join(sorted([*map(str, kept), f"<{release}"]))
+
+
+def update(
+    paths: Sequence[Path], directory: Path, *, verified: bool, fixed: bool, dry_run: bool
+) -> int:
+    """Apply ``plan``'s edits to the files in ``directory``; every file is checked first."""
+    if not (verified or fixed):
+        raise ExpectationError(
+            "update needs --verified, --fixed or both: what did the review find?"
+        )
+    run = read_run(paths)
+    entries = expectations.load(directory)
+    edits, left = plan(run, entries, verified=verified, fixed=fixed)
+    texts = _edited(directory, edits)
+    for edit in edits:
+        print(
+            f"{edit.path}#{edit.index + 1}: {edit.field} = {json.dumps(edit.value)}  ({edit.why})"
+        )
+    for line in left:
+        print(line)
+    if not edits:
+        print("nothing to update")
+    elif dry_run:
+        print("(dry run: no file written)")
+    else:
+        for name, text in texts.items():
+            (directory / name).write_text(text, encoding="utf-8")
+    return 0
+
+
+def _edited(directory: Path, edits: Sequence[Edit]) -> dict[str, str]:
+    grouped: dict[str, list[Edit]] = defaultdict(list)
+    for edit in edits:
+        grouped[str(edit.path)].append(edit)
+    texts = {}
+    for name, file_edits in grouped.items():
+        text = (directory / name).read_text(encoding="utf-8")
+        for edit in file_edits:
+            text = set_field(text, edit.index, edit.field, edit.value)
+        texts[name] = text
+    _check(directory, texts)
+    return texts
+
+
+def set_field(text: str, index: int, field: str, value: Any) -> str:
+    """``text`` with ``field = value`` in its ``index``-th ``[[expect]]`` entry (the line
+    replaced where the field is, else added after the entry's ``torch`` or ``link`` line)."""
+    lines = text.splitlines(keepends=True)
+    heads = [i for i, line in enumerate(lines) if line.strip() == _HEADER]
+    if not 0 <= index < len(heads):
+        raise ExpectationError(f"entry #{index + 1} is not in the file ({len(heads)} entries)")
+    start, end = heads[index], (heads[index + 1] if index + 1 < len(heads) else len(lines))
+    line = f"{field} = {toml_value(value)}\n"
+    at = _line_of(lines, start, end, field)
+    if at is not None:
+        lines[at] = line
+        return "".join(lines)
+    after = _line_of(lines, start, end, "torch") or _line_of(lines, start, end, "link") or start
+    lines.insert(after + 1, line)
+    return "".join(lines)
+
+
+def toml_value(value: Any) -> str:
+    """``value`` as TOML: a string with backslashes (a regular expression) as a literal
+    string where it can be, so that it reads as written; else as JSON, which TOML reads alike."""
+    if isinstance(value, str) and "\\" in value and not set(value) & {"'", "\n", "\r"}:
+        return f"'{value}'"
+    return json.dumps(value)
+
+
+def _line_of(lines: list[str], start: int, end: int, field: str) -> int | None:
+    pattern = re.compile(rf"^\s*{re.escape(field)}\s*=")
+    found = [i for i in range(start, end) if pattern.match(lines[i])]
+    if found and not _one_line(lines[found[0]]):
+        raise ExpectationError(f"{field} of the entry spans several lines: edit it by hand")
+    return found[0] if found else None
+
+
+def _one_line(line: str) -> bool:
+    try:
+        tomllib.loads(line)
+    except tomllib.TOMLDecodeError:
+        return False
+    return True
+
+
+def _check(directory: Path, texts: dict[str, str]) -> None:
+    """The files as edited load as expectations (each value valid): checked in a copy."""
+    with tempfile.TemporaryDirectory() as scratch:
+        for path in directory.glob("*.toml"):
+            text = texts.get(path.name, path.read_text(encoding="utf-8"))
+            (Path(scratch) / path.name).write_text(text, encoding="utf-8")
+        try:
+            expectations.load(Path(scratch))
+        except ExpectationError as exc:
+            raise ExpectationError(f"the edits would break the file, none written: {exc}") from None
