@@ -109,14 +109,14 @@ def redistribute_on_rank(ctx: RankContext, case: RedistributeCase) -> DTensorVie
     return view_of(source.redistribute(source.device_mesh, to_torch_placements(case.dst)), ctx.rank)
 
 
-def redistribute_error_on_rank(ctx: RankContext, case: RedistributeCase) -> str | None:
-    """The message of the RuntimeError redistribute raises, or None if it returned."""
+def redistribute_or_refusal_on_rank(ctx: RankContext, case: RedistributeCase) -> DTensorView | str:
+    """The redistributed DTensor, or the message of the RuntimeError that refused it."""
     source = _source(ctx, case)
     try:
-        source.redistribute(source.device_mesh, to_torch_placements(case.dst))
+        result = source.redistribute(source.device_mesh, to_torch_placements(case.dst))
     except RuntimeError as exc:
         return str(exc)
-    return None
+    return view_of(result, ctx.rank)
 
 
 def assert_layout(
