@@ -21,25 +21,30 @@ def quiet_known_warnings() -> None:
 def clear_dtensor_plan_caches() -> None:
     """Drop DTensor's process-wide redistribute caches, which are keyed by device mesh.
 
-    Two caches hold rank-dependent values under mesh keys: the planner cache
-    (``get_redistribute_planner``, whose planner keeps its mesh alive, so an entry never dies)
-    and ``_gen_transform_infos`` (the logical shapes of uneven shards). A mesh compares equal
-    to an older one with the same layout (and, on the threaded backend, the same thread
-    ident, which the OS reuses), so without this a new mesh can be served a plan that belongs
-    to another rank or to process groups that were destroyed.
+    Three caches hold rank-dependent values under mesh keys: the planner cache
+    (``get_redistribute_planner``, whose planner keeps its mesh alive, so an entry never dies),
+    ``_gen_transform_infos`` (the logical shapes of uneven shards) and sharding propagation's
+    (output specs that hold the mesh they were computed on; a Python and a C++ cache). A
+    mesh compares equal to an older one with the same layout (and, on the threaded backend,
+    the same thread ident, which the OS reuses), so without this a new mesh can be served a
+    plan that belongs to another rank, or an output spec whose mesh names process groups that
+    were destroyed ("Could not resolve the process group registered under the name ...").
     """
-    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor import _redistribute, debug
 
     clears: list[Any] = [
         getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),
         getattr(_redistribute, "clear_redistribute_planner_cache", None),
+        # the Python cache (this thread's) and the C++ dispatch fast path's
+        getattr(debug, "_clear_sharding_prop_cache", None),
     ]
     for clear in clears:
         if not callable(clear):
             raise RuntimeError(
-                "torch.distributed.tensor._redistribute no longer has "
-                "_gen_transform_infos.cache_clear and clear_redistribute_planner_cache: "
-                "review harness.torchkit.internals for this torch version"
+                "torch.distributed.tensor no longer has _redistribute._gen_transform_infos."
+                "cache_clear, _redistribute.clear_redistribute_planner_cache and "
+                "debug._clear_sharding_prop_cache: review harness.torchkit.internals for this "
+                "torch version"
             )
         clear()
 
