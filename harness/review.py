@@ -2,7 +2,8 @@
 record of a person's review of it.
 
 ``check RESULTS...`` lists every expectation of ``specs/expectations`` with what the run
-says about it (``harness.triage``), then the run's failures no expectation covers.
+says about it (``harness.triage``), read against the files as they are now (so a reviewed
+run reads as known), then the run's failures no expectation covers.
 ``update RESULTS... --verified`` adds the run's torch release to ``verified`` of each
 expectation whose deviation the run saw and did not see otherwise (``unverified`` tests
 only, no ``different`` or ``fixed`` one); ``--fixed`` closes the ``torch`` range below the
@@ -70,11 +71,22 @@ def read_run(paths: Sequence[Path]) -> Run:
     return Run(versions.pop(), tuple(record for r in read for record in r.tests))
 
 
+def reviewed(entry: expectations.Expectation, record: dict[str, Any], torch: str) -> str:
+    """A record's category as the expectation now reads (a review may have followed the
+    run): held on a torch since verified is known; a fix the range now ends before is done."""
+    found = triage.category(record) or str(record.get("status"))
+    if found == "unverified" and entry.verified_on(torch):
+        return "known"
+    if found == "fixed" and entry.torch is not None and Version(torch) not in entry.torch:
+        return f"fixed (torch {entry.torch})"
+    return found
+
+
 def status_line(entry: expectations.Expectation, run: Run) -> str:
-    """What the run says about one expectation."""
+    """What the run says about one expectation, as the expectation now reads."""
     records = run.under(entry)
     if records:
-        tally = Counter(triage.category(r) or str(r.get("status")) for r in records)
+        tally = Counter(reviewed(entry, r, run.torch) for r in records)
         said = ", ".join(f"{n} {what}" for what, n in sorted(tally.items()))
         return f"{said} [{entry.seen(run.torch)}]"
     if entry.torch is not None and Version(run.torch) not in entry.torch:
@@ -96,8 +108,13 @@ def check(paths: Sequence[Path], directory: Path) -> int:
     if new:
         print(f"failures no expectation covers ({len(new)} spec(s)):")
         print("\n".join(f"  {triage.describe(f, run.torch)}" for f in new))
-    tally = triage.counts_of(triage.category(r) for r in run.records)
-    return int(any(tally[c] for c in ("new", "different", "fixed", "unverified")))
+    by_source = {e.source: e for e in entries}
+    left = [
+        reviewed(by_source[source], r, run.torch) if source in by_source else triage.category(r)
+        for r in run.records
+        if (source := (r.get("expectation") or {}).get("source")) or triage.category(r)
+    ]
+    return int(any(c in ("new", "different", "fixed", "unverified") for c in left))
 
 
 @dataclass(frozen=True)
