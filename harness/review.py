@@ -174,9 +174,8 @@ def update(
     edits, left = plan(run, entries, verified=verified, fixed=fixed)
     texts = _edited(directory, edits)
     for edit in edits:
-        print(
-            f"{edit.path}#{edit.index + 1}: {edit.field} = {json.dumps(edit.value)}  ({edit.why})"
-        )
+        value = toml_value(edit.value)
+        print(f"{edit.path} #{edit.index + 1}: {edit.field} = {value}  ({edit.why})")
     for line in left:
         print(line)
     if not edits:
