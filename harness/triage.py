@@ -110,18 +110,22 @@ def counts_of(categories: Iterable[str | None]) -> dict[str, int]:
     return tally
 
 
-def describe(finding: Finding, torch: str) -> str:
-    """One line for a finding: what it means for ``torch``."""
+def meaning(finding: Finding, torch: str) -> str:
+    """What a finding means for ``torch``, in words."""
     where = f" ({finding.expectation})" if finding.expectation else ""
     seen = ", ".join(finding.verified) or "no release"
-    what = {
+    return {
         "new": "fails: no known deviation",
         "different": f"fails otherwise than its known deviation{where}",
         "fixed": f"fixed in {torch}: its deviation{where} did not happen",
         "unverified": f"known (verified on {seen}){where}",
         "known": f"known deviation{where}",
     }[finding.category]
-    return f"{finding.spec}: {what} [{len(finding.tests)} test(s)]"
+
+
+def describe(finding: Finding, torch: str) -> str:
+    """One line for a finding: its spec, what it means for ``torch``, how many tests."""
+    return f"{finding.spec}: {meaning(finding, torch)} [{len(finding.tests)} test(s)]"
 
 
 def release(version: str) -> str:

@@ -55,7 +55,7 @@ def versions(loaded: Loaded, records: Sequence[Record]) -> Versions:
             category=f.category,
             title=triage.TITLES[f.category],
             spec=f.spec,
-            text=triage.describe(f, shown),
+            text=triage.meaning(f, shown),
             tests=len(f.tests),
             unexpected=f.category not in ("known", "unverified"),
         )
