@@ -31,6 +31,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, TextIO
 
+from harness import triage
 from harness.errors import DistconfError, check_one_of
 
 SCHEMA = 2
@@ -55,9 +56,7 @@ TITLES = {
 def is_unexpected(record: dict[str, Any]) -> bool:
     """Whether a test record needs a person: a failure, or a pass where a deviation was
     expected (except for deviations known to be flaky, which may pass)."""
-    if record.get("status") == "xpassed":
-        return (record.get("expectation") or {}).get("status") != "flaky"
-    return record.get("status") in UNEXPECTED
+    return triage.category(record) in triage.UNEXPECTED
 
 
 _TEXT_LIMIT = 20_000

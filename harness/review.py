@@ -58,17 +58,13 @@ def read_run(paths: Sequence[Path]) -> Run:
             )
         files += found
     read: list[Results] = [read_results(f) for f in files]
-    versions = {
-        triage.release(str(r.header.get("torch")))
-        for r in read
-        if r.header is not None and r.header.get("torch")
-    }
+    versions = triage.releases(r.header for r in read)
     if len(versions) != 1:
         raise ReportError(
             f"RESULTS={[str(p) for p in paths]!r} must be the results of one torch release; "
             f"their headers name {sorted(versions) or 'none'}"
         )
-    return Run(versions.pop(), tuple(record for r in read for record in r.tests))
+    return Run(versions[0], tuple(record for r in read for record in r.tests))
 
 
 def reviewed(entry: expectations.Expectation, record: dict[str, Any], torch: str) -> str:
@@ -109,12 +105,12 @@ def check(paths: Sequence[Path], directory: Path) -> int:
         print(f"failures no expectation covers ({len(new)} spec(s)):")
         print("\n".join(f"  {triage.describe(f, run.torch)}" for f in new))
     by_source = {e.source: e for e in entries}
-    left = [
-        reviewed(by_source[source], r, run.torch) if source in by_source else triage.category(r)
-        for r in run.records
-        if (source := (r.get("expectation") or {}).get("source")) or triage.category(r)
-    ]
-    return int(any(c in ("new", "different", "fixed", "unverified") for c in left))
+
+    def now(record: dict[str, Any]) -> str | None:
+        entry = by_source.get(str((record.get("expectation") or {}).get("source")))
+        return triage.category(record) if entry is None else reviewed(entry, record, run.torch)
+
+    return int(any(now(r) in triage.TO_REVIEW for r in run.records))
 
 
 @dataclass(frozen=True)

@@ -127,10 +127,7 @@ def _print_triage(read: dict[Path, Any], tests: list[dict[str, Any]]) -> None:
     found = triage.findings(map(triage.seen, tests))
     if not found:
         return
-    versions = {
-        triage.release(str(r.header.get("torch"))) for r in read.values() if r.header is not None
-    }
-    torch = ", ".join(sorted(versions)) or "this torch"
+    torch = ", ".join(triage.releases(r.header for r in read.values())) or "this torch"
     print(f"\ntorch {torch}:")
     for category in triage.CATEGORIES:
         lines = [triage.describe(f, torch) for f in found if f.category == category]

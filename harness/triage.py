@@ -28,6 +28,10 @@ from packaging.version import InvalidVersion, Version
 
 CATEGORIES = ("new", "different", "fixed", "unverified", "known")
 """Worst first."""
+UNEXPECTED = ("new", "different", "fixed")
+"""The categories that are unexpected outcomes: a test a person must look at."""
+TO_REVIEW = (*UNEXPECTED, "unverified")
+"""The categories that keep a run from being green."""
 TITLES = {
     "new": "new failures",
     "different": "changed behaviour: a different failure in a spec with a known deviation",
@@ -126,6 +130,12 @@ def meaning(finding: Finding, torch: str) -> str:
 def describe(finding: Finding, torch: str) -> str:
     """One line for a finding: its spec, what it means for ``torch``, how many tests."""
     return f"{finding.spec}: {meaning(finding, torch)} [{len(finding.tests)} test(s)]"
+
+
+def releases(headers: Iterable[Mapping[str, Any] | None]) -> list[str]:
+    """The torch releases results headers name, each once, in order."""
+    named = (h.get("torch") for h in headers if h is not None)
+    return list(dict.fromkeys(release(str(v)) for v in named if v))
 
 
 def release(version: str) -> str:

@@ -43,8 +43,6 @@ EXIT_CODES = {
     "fixed": 7,
     "unverified": 8,
 }
-UNEXPECTED = ("new", "different", "fixed")
-"""The triage categories that are unexpected outcomes (a person must look)."""
 Outcome = tuple[str, str | None]
 """A test's status and its ``harness.triage`` category."""
 INTERRUPTED_EXIT_STATUS = 2
@@ -112,7 +110,7 @@ def run_verdict(files: Sequence[FileState], outcomes: Sequence[Outcome]) -> RunV
     if crashed:
         return RunVerdict("crashed", _crash_headline(crashed), details)
     found = Counter(category for _, category in outcomes if category is not None)
-    bad = sum(found[c] for c in UNEXPECTED)
+    bad = sum(found[c] for c in triage.UNEXPECTED)
     unexpected = f"{bad} unexpected outcome{'s' * (bad != 1)}"
     if found["new"]:
         return RunVerdict("fail", unexpected, details)
@@ -151,7 +149,7 @@ def _crash_headline(crashed: Sequence[FileState]) -> str:
 
 
 def _problems(outcomes: Sequence[Outcome]) -> list[str]:
-    bad = Counter(status for status, category in outcomes if category in UNEXPECTED)
+    bad = Counter(status for status, category in outcomes if category in triage.UNEXPECTED)
     ordered = sorted(bad.items(), key=lambda item: _severity(item[0]))
     return (
         [", ".join(f"{count} {TITLES.get(status, status)}" for status, count in ordered)]
@@ -167,7 +165,7 @@ def _tally(outcomes: Sequence[Outcome]) -> list[str]:
     unverified = (
         f" ({found['unverified']} not verified on this torch)" if found["unverified"] else ""
     )
-    return [f"{len(outcomes)} tests, {ran} ran, {held} known deviations held{unverified or ''}"]
+    return [f"{len(outcomes)} tests, {ran} ran, {held} known deviations held{unverified}"]
 
 
 def _severity(status: str) -> int:

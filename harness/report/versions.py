@@ -41,13 +41,7 @@ def _seen(record: Record) -> triage.Seen:
 
 
 def versions(loaded: Loaded, records: Sequence[Record]) -> Versions:
-    torch = tuple(
-        dict.fromkeys(
-            triage.release(str(f.header["torch"]))
-            for f in loaded.files
-            if f.header is not None and f.header.get("torch")
-        )
-    )
+    torch = tuple(triage.releases(f.header for f in loaded.files))
     shown = ", ".join(torch) or "this torch"
     found = triage.findings(map(_seen, records))
     lines = tuple(
@@ -57,7 +51,7 @@ def versions(loaded: Loaded, records: Sequence[Record]) -> Versions:
             spec=f.spec,
             text=triage.meaning(f, shown),
             tests=len(f.tests),
-            unexpected=f.category not in ("known", "unverified"),
+            unexpected=f.category in triage.UNEXPECTED,
         )
         for f in found
     )
