@@ -216,7 +216,7 @@ def test_scan_along_a_dim_counted_from_the_back(world: World, data: st.DataObjec
 @pytest.mark.spec("placements.ops.matmul_empty_batch")
 @PROPERTY
 @given(data=st.data())
-def test_matmul_with_an_empty_sharded_batch_dim(world: World, data: st.DataObject) -> None:
+def test_matmul_with_an_empty_sharded_dim(world: World, data: st.DataObject) -> None:
     case = data.draw(matmul_empty_batch_cases(world.world_size), label="case")
     parity.attach(case.call())
     (expected,) = op_on_one_device(case, world.device)

@@ -44,6 +44,10 @@ def test_run_writes_one_record_per_spec_and_world_size(tmp_path):
         "1,3",
         "--profile",
         "dev",
+        # the chain is under test, not torch: a drawn seed could meet a torch deviation
+        # nothing has specced yet and fail this test for it
+        "--seed",
+        "1",
         "--out",
         str(tmp_path),
         "--junit",

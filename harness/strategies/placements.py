@@ -96,14 +96,14 @@ def op_cases(draw: st.DrawFn, world_size: int) -> tuple[OpCase, ...]:
     of them, in a drawn order, each dim spelled ``d`` or ``d - ndim``.
 
     max/min reductions are drawn only where no rank holds an empty shard
-    (``extremum_empty_shard_cases`` draws those), matmul only where no batch dim of size 0 is
-    sharded (``matmul_empty_batch_cases``)."""
+    (``extremum_empty_shard_cases`` draws those), matmul only where no dim of size 0 is
+    sharded in a tensor of 3 or more dims (``matmul_empty_batch_cases``)."""
     mesh = draw(mesh_shapes(world_size))
     shape = draw(shapes(near=max(mesh)))
     chosen = draw(placements(len(mesh), len(shape)))
     empty = any(0 in box for box, _ in local_boxes(shape, mesh, chosen).values())
     sharded = any(isinstance(p, Shard) for p in chosen)
-    empty_batch = _shards_an_empty_batch_dim(shape, chosen)
+    empty_batch = _shards_an_empty_dim_of_a_batch(shape, chosen)
     fitting = [name for name, op in OPS.items() if _fits(op, shape, empty, sharded, empty_batch)]
     names = draw(st.lists(sampled(tuple(fitting)), min_size=1, max_size=4, unique=True))
     source = DistributeCase(mesh, chosen, shape, "float64", draw(seeds()))
@@ -187,10 +187,11 @@ def flatten_empty_cases(draw: st.DrawFn, world_size: int) -> OpCase:
 @takes_world_size
 @st.composite
 def matmul_empty_batch_cases(draw: st.DrawFn, world_size: int) -> OpCase:
-    """matmul of a tensor of 3 or 4 dims with itself (its last two dims transposed) whose batch
-    dim of size 0 is sharded on a 1-D mesh of ``world_size`` ranks (the other dims 1-3)."""
+    """matmul of a tensor of 3 or 4 dims with itself (its last two dims transposed) whose dim
+    of size 0, a batch dim or a matrix one, is sharded on a 1-D mesh of ``world_size`` ranks
+    (the other dims 1-3)."""
     shape = [draw(st.integers(1, 3)) for _ in range(draw(st.integers(3, 4)))]
-    dim = draw(st.integers(0, len(shape) - 3))
+    dim = draw(st.integers(0, len(shape) - 1))
     shape[dim] = 0
     source = DistributeCase((world_size,), (Shard(dim),), tuple(shape), "float64", draw(seeds()))
     return OpCase(source, "matmul", ((0, False),))
@@ -210,11 +211,11 @@ def extremum_empty_shard_cases(draw: st.DrawFn, world_size: int) -> OpCase:
     return OpCase(source, draw(sampled(("amax_dim", "amin"))), ((dim, draw(st.booleans())),))
 
 
-def _shards_an_empty_batch_dim(shape: tuple[int, ...], chosen: tuple[Placement, ...]) -> bool:
-    """A mesh axis shards a dim of size 0 before the last two (a batch dim of matmul)."""
-    batch = range(len(shape) - 2)
-    return any(
-        isinstance(p, Shard) and p.dim % len(shape) in batch and shape[p.dim] == 0 for p in chosen
+def _shards_an_empty_dim_of_a_batch(shape: tuple[int, ...], chosen: tuple[Placement, ...]) -> bool:
+    """A mesh axis shards a dim of size 0 of a tensor of 3 or more dims, a batch of matrices
+    that matmul folds through a view."""
+    return len(shape) >= 3 and any(
+        isinstance(p, Shard) and shape[p.dim % len(shape)] == 0 for p in chosen
     )
 
 

@@ -36,7 +36,7 @@ class Op:
     """``dim`` may be drawn counted from the back (``d - ndim``)."""
     batched: bool = False
     """Folds the batch dims of a tensor of 3 or more dims through a view (matmul): drawn only
-    where no batch dim of size 0 is sharded, which torch 2.13's view rule refuses (spec
+    where no dim of size 0 is sharded, which torch 2.13's view rule refuses in any view (spec
     placements.ops.matmul_empty_batch checks that case on its own)."""
 
 
