@@ -8,14 +8,16 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from harness import World, parity
+from harness.cases.meshes import MeshCase
 from harness.cases.placements import DistributeCase, OpCase, ReshapeCase
-from harness.parity import assert_array_equal, assert_close, failure
+from harness.parity import assert_array_equal, assert_close, assert_equal_values, failure
 from harness.profiles import hanging, property_settings
 from harness.strategies import (
     distribute_cases,
     extremum_to_shard_cases,
     flatten_empty_cases,
     matmul_empty_batch_cases,
+    mesh_cases,
     op_cases,
     partial_sum_integer_cases,
     partial_target_cases,
@@ -29,12 +31,12 @@ from specs.placements import (
     Partial,
     Placement,
     Shard,
-    coord_of_rank,
     local_arrays,
 )
 from suites.checks.dtensor import (
     assert_layout,
     distribute_on_rank,
+    mesh_on_rank,
     op_on_one_device,
     op_on_rank,
     ops_on_rank,
@@ -44,6 +46,33 @@ from suites.checks.dtensor import (
 )
 
 PROPERTY = property_settings()
+
+
+@pytest.mark.spec("placements.mesh.constructions")
+@PROPERTY
+@given(data=st.data())
+def test_meshes_built_every_way_hold_the_model_ranks(world: World, data: st.DataObject) -> None:
+    case = data.draw(mesh_cases(world.world_size), label="case")
+    parity.attach(case.call())
+    views = world.run(mesh_on_rank, case)
+    for rank, view in enumerate(views):
+        ranks = case.ranks_of(rank)
+        assert_equal_values(view.ranks, ranks, what=f"ranks of the mesh on rank {rank}")
+        assert_equal_values(view.coord, case.coord_of(rank), what=f"coordinate of rank {rank}")
+        for axis, group in enumerate(_axis_groups(case, rank)):
+            what = f"the group of mesh axis {axis} on rank {rank}"
+            assert_equal_values(view.group_ranks[axis], group, what=f"ranks of {what}")
+            assert_equal_values(view.group_sums[axis], sum(group), what=f"all_reduce over {what}")
+
+
+def _axis_groups(case: MeshCase, rank: int) -> list[list[int]]:
+    """The ranks of each axis group holding ``rank``, in group-rank order (model)."""
+    grid = np.array(case.ranks_of(rank)).reshape(case.shape)
+    coord = case.coord_of(rank)
+    return [
+        [int(r) for r in grid[tuple(slice(None) if a == axis else c for a, c in enumerate(coord))]]
+        for axis in range(len(case.shape))
+    ]
 
 
 @pytest.mark.spec("placements.distribute.roundtrip")
@@ -64,7 +93,7 @@ def _assert_own_pieces(views: list[DTensorView], case: DistributeCase) -> None:
     """src_data_rank=None: every rank holds the model's piece of the tensor it passed."""
     __tracebackhide__ = True
     for rank, view in enumerate(views):
-        coord = coord_of_rank(case.mesh_shape, rank)
+        coord = case.coord_of(rank)
         own = local_arrays(case.input_of(rank), case.mesh_shape, case.placements)[coord]
         assert_array_equal(view.local, own, what=f"to_local() on rank {rank} (of its own tensor)")
 

@@ -67,7 +67,9 @@ def test_shards_know_where_they_sit_in_the_global_tensor(world: World, data: st.
     per_rank = world.run(box_on_rank, case)
     for (shape, offset), view in per_rank:
         what = f"rank {view.rank} (mesh coord {view.coord})"
-        expected_shape, expected_offset = boxes[view.coord]
+        coord = case.coord_of(view.rank)
+        assert_equal_values(view.coord, coord, what=f"mesh coordinate of rank {view.rank}")
+        expected_shape, expected_offset = boxes[coord]
         assert_equal_values(shape, expected_shape, what=f"local shape of {what}")
         if 0 in shape:
             continue  # an empty shard sits nowhere: its offset means nothing

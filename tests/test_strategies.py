@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import math
+import re
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import strategies as hs
+from harness.cases.meshes import MeshCase
 from harness.cases.placements import DTYPES, DistributeCase, partial_sum_factor
 from harness.errors import InvalidArgument
-from specs.placements import Partial, Replicate, Shard, coord_of_rank, validate
+from specs.placements import Partial, Replicate, Shard, validate
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4, 6, 8, 12])
@@ -27,7 +30,8 @@ def test_factorisations_are_every_ordered_factorisation(world_size):
 @given(st.integers(1, 8), st.data())
 def test_distribute_cases_are_valid(world_size, data):
     case = data.draw(hs.distribute_cases(world_size))
-    assert math.prod(case.mesh_shape) == world_size
+    assert math.prod(case.mesh.parent) == world_size
+    assert case.mesh.shape == case.mesh_shape
     validate(case.mesh_shape, case.placements, len(case.shape))
     ops = {p.reduce_op for p in case.placements if isinstance(p, Partial)}
     assert len(ops) <= 1
@@ -47,14 +51,17 @@ def test_distribute_sources_every_axis_has(world_size, data):
         assert not any(isinstance(p, Partial) for p in case.placements)
         return
     assert 0 <= case.src_data_rank < min(case.mesh_shape)
-    source = case.source_rank()
-    assert coord_of_rank(case.mesh_shape, source) == (case.src_data_rank,) * len(case.mesh_shape)
-    assert (case.input_of(source) == case.global_array()).all()
+    sources = [rank for rank in range(world_size) if case.is_source(rank)]
+    meshes = {tuple(case.mesh.ranks_of(rank)) for rank in range(world_size)}
+    assert len(sources) == len(meshes), "one source on each mesh the world holds"
+    for source in sources:
+        assert case.coord_of(source) == (case.src_data_rank,) * len(case.mesh_shape)
+        assert (case.input_of(source) == case.global_array()).all()
 
 
 def test_distribute_inputs_differ_off_the_source():
     case = DistributeCase((2, 3), (Replicate(), Replicate()), (4,), "float64", 5, 1)
-    assert case.source_rank() == 4
+    assert [r for r in range(6) if case.is_source(r)] == [4]
     assert (case.input_of(4) == case.global_array()).all()
     assert all((case.input_of(r) != case.global_array()).any() for r in range(6) if r != 4)
 
@@ -144,3 +151,41 @@ def test_costly_properties_buy_a_share_of_the_profiles_examples():
     assert costly(4).deadline is None
     with pytest.raises(ValueError, match=r"cost=0 must be a positive int"):
         costly(0)
+
+
+@settings(max_examples=300)
+@given(st.integers(1, 8), st.data())
+def test_mesh_cases_build_meshes_of_their_shape_over_the_world(world_size, data):
+    case = data.draw(hs.mesh_cases(world_size))
+    meshes = {tuple(case.ranks_of(rank)) for rank in range(world_size)}
+    assert sorted(r for ranks in meshes for r in ranks) == list(range(world_size))
+    for rank in range(world_size):
+        assert len(case.ranks_of(rank)) == math.prod(case.shape)
+        grid = np.array(case.ranks_of(rank)).reshape(case.shape)
+        assert grid[case.coord_of(rank)] == rank
+
+
+def test_mesh_cases_spell_their_construction():
+    sliced = MeshCase((2, 3), "sliced", (1,))
+    assert sliced.shape == (3,)
+    assert sliced.ranks_of(4) == [3, 4, 5] and sliced.coord_of(4) == (1,)
+    flat = MeshCase((2, 1, 2), "flattened", (0, 2))
+    assert flat.shape == (4,) and flat.ranks_of(3) == [0, 1, 2, 3]
+    group = MeshCase((2, 2), "from_group", (0,))
+    assert group.ranks_of(3) == [1, 3]
+    assert "get_group('a0')" in group.call()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"how": "folded", "axes": (0,)}, "how='folded'"),
+        ({"how": "sliced", "axes": (1, 0)}, "axes=(1, 0)"),
+        ({"how": "flattened", "axes": (0,)}, "axes=(0,)"),
+        ({"how": "from_group", "axes": (0, 1)}, "axes=(0, 1)"),
+        ({"how": "shape", "axes": (0,)}, "axes=(0,)"),
+    ],
+)
+def test_mesh_cases_refuse_constructions_that_do_not_exist(kwargs, message):
+    with pytest.raises(InvalidArgument, match=re.escape(message)):
+        MeshCase((2, 2), **kwargs)

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from harness.cases.meshes import MeshCase
 from harness.errors import check_int, check_one_of, require
-from specs.placements import Partial, Placement
+from specs.placements import Coord, Partial, Placement
 
 DTYPES = ("float32", "float64", "bfloat16", "int64")
 # The largest magnitude a global value may have: every partial sum the placement properties
@@ -40,9 +41,33 @@ def integer_array(shape: tuple[int, ...], seed: int, *, multiple_of: int = 1) ->
     return array
 
 
+class _OnAMesh:
+    """A case laid out on the mesh ``construction`` builds (None: ``init_device_mesh`` of
+    ``mesh_shape``), whose shape is ``mesh_shape``."""
+
+    mesh_shape: tuple[int, ...]
+    construction: MeshCase | None
+
+    def _check_mesh(self) -> None:
+        built = self.mesh.shape
+        shaped = f"the shape of the mesh it builds, {built}"
+        require(built == tuple(self.mesh_shape), "mesh_shape", self.mesh_shape, shaped)
+
+    @property
+    def mesh(self) -> MeshCase:
+        return self.construction or MeshCase(tuple(self.mesh_shape))
+
+    def coord_of(self, rank: int) -> Coord:
+        """``rank``'s coordinate on its mesh (on a slice: on the slice holding it)."""
+        return self.mesh.coord_of(rank)
+
+    def mesh_call(self) -> str:
+        return "" if self.construction is None else f", mesh built as {self.construction.call()}"
+
+
 @dataclass(frozen=True)
-class DistributeCase:
-    """``distribute_tensor(global, mesh(mesh_shape), placements)``."""
+class DistributeCase(_OnAMesh):
+    """``distribute_tensor(global, mesh, placements)``."""
 
     mesh_shape: tuple[int, ...]
     placements: tuple[Placement, ...]
@@ -52,27 +77,26 @@ class DistributeCase:
     src_data_rank: int | None = 0
     """``distribute_tensor``'s source: the group rank, on every mesh axis, whose tensor is
     the global one; None: every rank keeps pieces of its own tensor, no communication."""
+    construction: MeshCase | None = None
+
+    def __post_init__(self) -> None:
+        self._check_mesh()
 
     def global_array(self) -> np.ndarray:
         # distribute_tensor divides a Partial('sum') value by the axis size: keep it exact.
         factor = partial_sum_factor(self.mesh_shape, self.placements)
         return integer_array(self.shape, self.seed, multiple_of=factor)
 
-    def source_rank(self) -> int | None:
-        """The rank at mesh coordinate ``(src_data_rank,) * mesh ndim``."""
+    def is_source(self, rank: int) -> bool:
+        """``rank`` sits at coordinate ``(src_data_rank,) * mesh ndim`` of its mesh."""
         if self.src_data_rank is None:
-            return None
-        stride = math.prod(self.mesh_shape)
-        rank = 0
-        for size in self.mesh_shape:
-            stride //= size
-            rank += self.src_data_rank * stride
-        return rank
+            return False
+        return self.coord_of(rank) == (self.src_data_rank,) * len(self.mesh_shape)
 
     def input_of(self, rank: int) -> np.ndarray:
         """What ``rank`` passes to ``distribute_tensor``: the global array on the source
         rank, another seeded array on every other rank (the source's must win)."""
-        if rank == self.source_rank():
+        if self.is_source(rank):
             return self.global_array()
         factor = partial_sum_factor(self.mesh_shape, self.placements)
         return integer_array(self.shape, self.seed + 1 + rank, multiple_of=factor)
@@ -81,7 +105,7 @@ class DistributeCase:
         source = "" if self.src_data_rank == 0 else f", src_data_rank={self.src_data_rank}"
         return (
             f"distribute_tensor(shape={self.shape}, dtype={self.dtype}, "
-            f"mesh={self.mesh_shape}, placements={self.placements}{source})"
+            f"mesh={self.mesh_shape}, placements={self.placements}{source}{self.mesh_call()})"
         )
 
 
@@ -124,7 +148,7 @@ class ReshapeCase:
 
 
 @dataclass(frozen=True)
-class RedistributeCase:
+class RedistributeCase(_OnAMesh):
     """``DTensor.from_local(model locals, mesh, src).redistribute(mesh, dst)``."""
 
     mesh_shape: tuple[int, ...]
@@ -133,6 +157,10 @@ class RedistributeCase:
     shape: tuple[int, ...]
     dtype: str
     seed: int
+    construction: MeshCase | None = None
+
+    def __post_init__(self) -> None:
+        self._check_mesh()
 
     def global_array(self) -> np.ndarray:
         return integer_array(self.shape, self.seed)
@@ -140,5 +168,5 @@ class RedistributeCase:
     def call(self) -> str:
         return (
             f"redistribute(shape={self.shape}, dtype={self.dtype}, mesh={self.mesh_shape}, "
-            f"{self.src} -> {self.dst})"
+            f"{self.src} -> {self.dst}{self.mesh_call()})"
         )

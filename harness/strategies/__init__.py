@@ -21,6 +21,7 @@ from harness.strategies.hsdp import (
     save_load_cases,
     sync_cases,
 )
+from harness.strategies.meshes import mesh_cases
 from harness.strategies.modules import (
     graph_cases,
     mesh_mlp_cases,
@@ -97,6 +98,7 @@ __all__ = [
     "loss_cases",
     "loss_error_cases",
     "matmul_empty_batch_cases",
+    "mesh_cases",
     "mesh_mlp_cases",
     "mesh_shapes",
     "mlp_cases",

@@ -9,6 +9,7 @@ from functools import cache
 
 from hypothesis import strategies as st
 
+from harness.cases.meshes import MeshCase
 from harness.cases.placements import DistributeCase, OpCase, RedistributeCase, ReshapeCase
 from harness.errors import check_int, check_subset, require
 from harness.strategies._common import (
@@ -19,6 +20,7 @@ from harness.strategies._common import (
     shapes,
     takes_world_size,
 )
+from harness.strategies.meshes import mesh_cases
 from harness.torchkit.dtensor_ops import OPS, Op
 from specs.placements import REDUCE_OPS, Partial, Placement, Replicate, Shard, local_boxes
 
@@ -76,7 +78,8 @@ def distribute_cases(
     int64 never meets ``Partial('sum')`` here: torch 2.13 turns it into float32
     (spec ``placements.distribute.partial_sum_keeps_dtype`` checks that on its own).
     """
-    mesh = draw(mesh_shapes(world_size))
+    built = draw(mesh_cases(world_size))
+    mesh = built.shape
     shape = draw(shapes(near=max(mesh)))
     dtype = draw(dtypes())
     ops = tuple(op for op in _ops_for(dtype) if not (dtype == "int64" and op == "sum"))
@@ -84,7 +87,8 @@ def distribute_cases(
     sources: tuple[int | None, ...] = tuple(range(min(mesh)))
     if no_source and not any(isinstance(p, Partial) for p in chosen):
         sources += (None,)
-    return DistributeCase(mesh, chosen, shape, dtype, draw(seeds()), draw(sampled(sources)))
+    seed, source = draw(seeds()), draw(sampled(sources))
+    return DistributeCase(mesh, chosen, shape, dtype, seed, source, _construction(built))
 
 
 @takes_world_size
@@ -98,7 +102,8 @@ def op_cases(draw: st.DrawFn, world_size: int) -> tuple[OpCase, ...]:
     max/min reductions are drawn only where no rank holds an empty shard
     (``extremum_empty_shard_cases`` draws those), matmul only where no dim of size 0 is
     sharded in a tensor of 3 or more dims (``matmul_empty_batch_cases``)."""
-    mesh = draw(mesh_shapes(world_size))
+    built = draw(mesh_cases(world_size))
+    mesh = built.shape
     shape = draw(shapes(near=max(mesh)))
     chosen = draw(placements(len(mesh), len(shape)))
     empty = any(0 in box for box, _ in local_boxes(shape, mesh, chosen).values())
@@ -106,7 +111,7 @@ def op_cases(draw: st.DrawFn, world_size: int) -> tuple[OpCase, ...]:
     empty_batch = _shards_an_empty_dim_of_a_batch(shape, chosen)
     fitting = [name for name, op in OPS.items() if _fits(op, shape, empty, sharded, empty_batch)]
     names = draw(st.lists(sampled(tuple(fitting)), min_size=1, max_size=4, unique=True))
-    source = DistributeCase(mesh, chosen, shape, "float64", draw(seeds()))
+    source = DistributeCase(mesh, chosen, shape, "float64", draw(seeds()), 0, _construction(built))
     return tuple(OpCase(source, name, draw(_applications(name, shape))) for name in names)
 
 
@@ -140,13 +145,14 @@ def reshape_cases(draw: st.DrawFn, world_size: int) -> ReshapeCase:
     that regroup its elements (the prime factors of its size dealt out anew, sides of 1
     among them). Tensors without elements are left to ``flatten_empty_cases``: torch 2.13
     never returns from some of their views (spec placements.ops.flatten_empty)."""
-    mesh = draw(mesh_shapes(world_size))
+    built = draw(mesh_cases(world_size))
+    mesh = built.shape
     shape = draw(shapes(min_ndim=1, near=max(mesh)).filter(lambda s: 0 not in s))
     chosen = draw(placements(len(mesh), len(shape)))
     target = [1] * draw(st.integers(1, 3))
     for prime in _prime_factors(math.prod(shape)):
         target[draw(st.integers(0, len(target) - 1))] *= prime
-    source = DistributeCase(mesh, chosen, shape, "float64", draw(seeds()))
+    source = DistributeCase(mesh, chosen, shape, "float64", draw(seeds()), 0, _construction(built))
     return ReshapeCase(source, tuple(target), draw(sampled(("view", "reshape"))))
 
 
@@ -243,7 +249,8 @@ def redistribute_cases(
     ``placements.redistribute.partial_target_rejected``). A ``Partial(op)`` axis becomes
     ``Shard`` (a reduce-scatter with ``op``) only when ``op`` is in ``shardable_ops``.
     """
-    mesh = draw(mesh_shapes(world_size))
+    built = draw(mesh_cases(world_size))
+    mesh = built.shape
     shape = draw(shapes(near=max(mesh)))
     dtype = draw(dtypes())
     ops = tuple(op for op in _ops_for(dtype) if op in reduce_ops)
@@ -255,7 +262,9 @@ def redistribute_cases(
         if axis is not None:
             others = tuple(c for c in choices[axis] if c != src[axis])
             dst[axis] = draw(sampled(others))
-    return RedistributeCase(mesh, src, tuple(dst), shape, dtype, draw(seeds()))
+    return RedistributeCase(
+        mesh, src, tuple(dst), shape, dtype, draw(seeds()), _construction(built)
+    )
 
 
 def _destinations(
@@ -274,7 +283,8 @@ def _destinations(
 def partial_target_cases(draw: st.DrawFn, world_size: int) -> RedistributeCase:
     """A redistribute whose destination adds a ``Partial`` on an axis the source does not
     hold it on (DTensor must refuse it)."""
-    mesh = draw(mesh_shapes(world_size))
+    built = draw(mesh_cases(world_size))
+    mesh = built.shape
     shape = draw(shapes())
     dtype = draw(dtypes())
     src = list(draw(placements(len(mesh), len(shape), reduce_ops=_ops_for(dtype))))
@@ -283,14 +293,16 @@ def partial_target_cases(draw: st.DrawFn, world_size: int) -> RedistributeCase:
     held = {p.reduce_op for p in src if isinstance(p, Partial)}
     op = held.pop() if held else draw(sampled(_ops_for(dtype)))
     dst = [*src[:axis], Partial(op), *src[axis + 1 :]]
-    return RedistributeCase(mesh, tuple(src), tuple(dst), shape, dtype, draw(seeds()))
+    seed = draw(seeds())
+    return RedistributeCase(mesh, tuple(src), tuple(dst), shape, dtype, seed, _construction(built))
 
 
 @takes_world_size
 @st.composite
 def extremum_to_shard_cases(draw: st.DrawFn, world_size: int) -> RedistributeCase:
     """A ``Partial('max'|'min')`` axis that becomes ``Shard`` (a reduce-scatter with max/min)."""
-    mesh = draw(mesh_shapes(world_size))
+    built = draw(mesh_cases(world_size))
+    mesh = built.shape
     shape = draw(shapes(min_ndim=1))
     dtype = draw(dtypes())
     op = draw(sampled(("max", "min")))
@@ -299,18 +311,21 @@ def extremum_to_shard_cases(draw: st.DrawFn, world_size: int) -> RedistributeCas
     src[axis] = Partial(op)
     dst = [draw(sampled((*_axis_choices(len(shape), None), p))) for p in src]
     dst[axis] = Shard(draw(st.integers(-len(shape), len(shape) - 1)))
-    return RedistributeCase(mesh, tuple(src), tuple(dst), shape, dtype, draw(seeds()))
+    seed = draw(seeds())
+    return RedistributeCase(mesh, tuple(src), tuple(dst), shape, dtype, seed, _construction(built))
 
 
 @takes_world_size
 @st.composite
 def partial_sum_integer_cases(draw: st.DrawFn, world_size: int) -> DistributeCase:
     """int64 tensors distributed with at least one ``Partial('sum')`` axis."""
-    mesh = draw(mesh_shapes(world_size))
+    built = draw(mesh_cases(world_size))
+    mesh = built.shape
     shape = draw(shapes())
     chosen = list(draw(placements(len(mesh), len(shape), reduce_ops=("sum",))))
     chosen[draw(st.integers(0, len(mesh) - 1))] = Partial("sum")
-    return DistributeCase(mesh, tuple(chosen), shape, "int64", draw(seeds()))
+    seed = draw(seeds())
+    return DistributeCase(mesh, tuple(chosen), shape, "int64", seed, 0, _construction(built))
 
 
 @takes_world_size
@@ -338,3 +353,8 @@ def uneven_shard_cases(draw: st.DrawFn, world_size: int) -> DistributeCase:
     sides[dim] = draw(st.integers(0, 2 * world_size + 1))
     dtype = draw(dtypes(("float32", "int64")))
     return DistributeCase((world_size,), (Shard(dim),), tuple(sides), dtype, draw(seeds()))
+
+
+def _construction(built: MeshCase) -> MeshCase | None:
+    """None for a mesh built from its shape, as cases spell the plain mesh."""
+    return None if built.how == "shape" else built

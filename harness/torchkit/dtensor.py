@@ -105,6 +105,8 @@ class DTensorView:
     local_dtype: str
     local: np.ndarray
     full: np.ndarray | None
+    mesh_ranks: tuple[int, ...] = ()
+    """The global ranks of the DTensor's mesh, flattened row-major."""
 
 
 def view_of(tensor: torch.Tensor | None, rank: int, *, with_full: bool = True) -> DTensorView:
@@ -128,12 +130,13 @@ def view_of(tensor: torch.Tensor | None, rank: int, *, with_full: bool = True) -
         local_dtype=dtype_name(local.dtype),
         local=to_numpy(local),
         full=full,
+        mesh_ranks=tuple(int(r) for r in tensor.device_mesh.mesh.reshape(-1).tolist()),
     )
 
 
 def distribute(ctx: RankContext, case: DistributeCase) -> DTensor:
     """``distribute_tensor`` of the case's input on this rank over its mesh and placements."""
-    mesh = ctx.mesh(case.mesh_shape)
+    mesh = ctx.mesh_of(case.mesh)
     tensor = tensor_from(case.input_of(ctx.rank), case.dtype, ctx.device)
     return distribute_tensor(
         tensor, mesh, to_torch_placements(case.placements), src_data_rank=case.src_data_rank

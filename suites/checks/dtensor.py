@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from harness import RankContext
+from harness.cases.meshes import MeshCase
 from harness.cases.placements import DistributeCase, OpCase, RedistributeCase, ReshapeCase
 from harness.parity import assert_array_equal, assert_equal_values
 from harness.torchkit import dtensor_ops, internals
@@ -31,7 +34,6 @@ from specs.placements import (
     Partial,
     assemble,
     contiguous_stride,
-    coord_of_rank,
     local_arrays,
     normalize,
 )
@@ -94,10 +96,10 @@ def _source_layout(case: RedistributeCase) -> dict[Coord, np.ndarray]:
 
 def _source(ctx: RankContext, case: RedistributeCase) -> DTensor:
     """This rank's part of the source: the model's local array, wrapped by ``from_local``."""
-    local = _source_layout(case)[coord_of_rank(case.mesh_shape, ctx.rank)]
+    local = _source_layout(case)[case.coord_of(ctx.rank)]
     return DTensor.from_local(
         tensor_from(local, case.dtype, ctx.device),
-        ctx.mesh(case.mesh_shape),
+        ctx.mesh_of(case.mesh),
         to_torch_placements(case.src),
         shape=torch.Size(case.shape),
         stride=contiguous_stride(case.shape),
@@ -137,11 +139,12 @@ def assert_layout(
     placements = case.dst if isinstance(case, RedistributeCase) else case.placements
     expected = local_arrays(global_array, mesh_shape, placements)
     has_partial = any(isinstance(p, Partial) for p in placements)
-    assert_equal_values(len(views), len(expected), what="number of ranks reporting")
     for rank, view in enumerate(views):
-        coord = coord_of_rank(mesh_shape, rank)
+        coord = case.coord_of(rank)
         who = f"rank {rank} (mesh coord {coord})"
         assert_equal_values(view.coord, coord, what=f"mesh coordinate of rank {rank}")
+        ranks = tuple(case.mesh.ranks_of(rank))
+        assert_equal_values(view.mesh_ranks, ranks, what=f"ranks of the mesh of {who}")
         assert_equal_values(view.shape, global_array.shape, what=f"global shape on {who}")
         stride = contiguous_stride(global_array.shape)
         assert_equal_values(view.stride, stride, what=f"global stride on {who}")
@@ -157,5 +160,45 @@ def assert_layout(
         assert view.full is not None, "views are taken with full_tensor()"
         assert_array_equal(view.full, global_array, what=f"full_tensor() on {who}")
     if has_partial:
-        reduced = assemble({v.coord: v.local for v in views}, mesh_shape, placements)
-        assert_array_equal(reduced, global_array, what="global value the local arrays reduce to")
+        for ranks, members in _by_mesh(views, case).items():
+            reduced = assemble({v.coord: v.local for v in members}, mesh_shape, placements)
+            what = f"global value the local arrays of the mesh of ranks {list(ranks)} reduce to"
+            assert_array_equal(reduced, global_array, what=what)
+
+
+def _by_mesh(
+    views: Sequence[DTensorView], case: DistributeCase | RedistributeCase
+) -> dict[tuple[int, ...], list[DTensorView]]:
+    """The views of each mesh a slice of the world builds (one for a whole-world mesh)."""
+    meshes: dict[tuple[int, ...], list[DTensorView]] = {}
+    for rank, view in enumerate(views):
+        meshes.setdefault(tuple(case.mesh.ranks_of(rank)), []).append(view)
+    return meshes
+
+
+@dataclass(frozen=True)
+class MeshView:
+    """What one rank sees of a mesh: its ranks, its coordinate, and per axis the ranks of
+    the axis group and the sum of their ranks an all_reduce over that group gives."""
+
+    ranks: list[int]
+    coord: tuple[int, ...] | None
+    group_ranks: list[list[int]]
+    group_sums: list[int]
+
+
+def mesh_on_rank(ctx: RankContext, case: MeshCase) -> MeshView:
+    mesh = ctx.mesh_of(case)
+    groups = [mesh.get_group(axis) for axis in range(mesh.ndim)]
+    sums = []
+    for group in groups:
+        total = torch.tensor([ctx.rank], device=ctx.device)
+        dist.all_reduce(total, group=group)
+        sums.append(int(total.item()))
+    coord = mesh.get_coordinate()
+    return MeshView(
+        ranks=[int(r) for r in mesh.mesh.reshape(-1).tolist()],
+        coord=None if coord is None else tuple(int(c) for c in coord),
+        group_ranks=[dist.get_process_group_ranks(group) for group in groups],
+        group_sums=sums,
+    )
