@@ -14,6 +14,7 @@ from harness.strategies._common import (
     seeds,
     shapes,
 )
+from harness.strategies.dcp_layouts import dcp_layout_cases as dcp_layout_cases
 from harness.strategies.hsdp import (
     group_error_cases,
     hsdp_cases,
