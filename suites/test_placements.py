@@ -4,28 +4,36 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import event, given
 from hypothesis import strategies as st
 
 from harness import World, parity
 from harness.cases.meshes import MeshCase
-from harness.cases.placements import DistributeCase, OpCase, ReshapeCase
+from harness.cases.placements import DistributeCase, FactoryCase, OpCase, ReshapeCase
+from harness.cases.programs import ProgramCase, no_partial
 from harness.parity import assert_array_equal, assert_close, assert_equal_values, failure
-from harness.profiles import hanging, property_settings
+from harness.profiles import costly, hanging, property_settings
 from harness.strategies import (
     distribute_cases,
+    einsum_unit_dim_cases,
     extremum_to_shard_cases,
+    factory_cases,
     flatten_empty_cases,
+    flattened_cases,
+    from_the_back_cases,
+    inplace_on_partial_cases,
     matmul_empty_batch_cases,
     mesh_cases,
     op_cases,
     partial_sum_integer_cases,
     partial_target_cases,
+    program_cases,
     redistribute_cases,
     reshape_cases,
     scan_negative_dim_cases,
 )
-from harness.torchkit.dtensor import DTensorView
+from harness.torchkit.dtensor import DTensorView, dtype_name, to_numpy
 from specs.placements import (
     REDUCE_OPS,
     Partial,
@@ -34,8 +42,13 @@ from specs.placements import (
     local_arrays,
 )
 from suites.checks.dtensor import (
+    FactoryView,
     assert_layout,
     distribute_on_rank,
+    factory_on_one_device,
+    factory_on_rank,
+    flattened_on_rank,
+    from_the_back_on_rank,
     mesh_on_rank,
     op_on_one_device,
     op_on_rank,
@@ -44,8 +57,11 @@ from suites.checks.dtensor import (
     redistribute_or_refusal_on_rank,
     reshape_on_rank,
 )
+from suites.checks.programs import ProgramRun, Reference, program_on_one_device, program_on_rank
 
 PROPERTY = property_settings()
+# A program runs up to 8 steps and a backward pass: each example costs several op examples.
+PROGRAM = costly(4)
 
 
 @pytest.mark.spec("placements.mesh.constructions")
@@ -73,6 +89,113 @@ def _axis_groups(case: MeshCase, rank: int) -> list[list[int]]:
         [int(r) for r in grid[tuple(slice(None) if a == axis else c for a, c in enumerate(coord))]]
         for axis in range(len(case.shape))
     ]
+
+
+_KNOWN_VALUES = ("ones", "zeros", "full", "empty")
+_RANDOM = ("rand", "randn")
+
+
+@pytest.mark.spec("placements.factories.match_torch")
+@PROPERTY
+@given(data=st.data())
+def test_dtensor_factories_make_what_torch_factories_make(
+    world: World, data: st.DataObject
+) -> None:
+    case = data.draw(factory_cases(world.world_size, factories=_KNOWN_VALUES), label="case")
+    parity.attach(case.call())
+    want = factory_on_one_device(case, world.device)
+    for rank, made in enumerate(world.run(factory_on_rank, case)):
+        _assert_factory_made(made, want, case, rank)
+
+
+@pytest.mark.spec("placements.factories.random")
+@PROPERTY
+@given(data=st.data())
+def test_random_dtensor_factories_make_tensors_like_torch(
+    world: World, data: st.DataObject
+) -> None:
+    case = data.draw(factory_cases(world.world_size, factories=_RANDOM), label="case")
+    parity.attach(case.call())
+    want = factory_on_one_device(case, world.device)
+    for rank, made in enumerate(world.run(factory_on_rank, case)):
+        _assert_factory_made(made, want, case, rank)
+
+
+def _assert_factory_made(
+    made: FactoryView, want: torch.Tensor, case: FactoryCase, rank: int
+) -> None:
+    __tracebackhide__ = True
+    view, who = made.view, f"rank {rank} (mesh coord {made.view.coord})"
+    assert view.full is not None, "views are taken with full_tensor()"
+    assert_equal_values(view.dtype, dtype_name(want.dtype), what=f"dtype on {who}")
+    assert_equal_values(view.shape, tuple(want.shape), what=f"shape on {who}")
+    assert_equal_values(view.stride, tuple(want.stride()), what=f"stride on {who}")
+    flags, wanted = (made.requires_grad, made.is_leaf), (want.requires_grad, True)
+    assert_equal_values(flags, wanted, what=f"(requires_grad, is_leaf) on {who}")
+    values = to_numpy(want)
+    local = local_arrays(values, case.mesh_shape, case.placements)[case.coord_of(rank)]
+    assert_equal_values(view.local.shape, local.shape, what=f"to_local() shape on {who}")
+    if case.deterministic:
+        assert_array_equal(view.full, values, what=f"full_tensor() on {who}")
+        assert_array_equal(view.local, local, what=f"to_local() on {who}")
+    if not want.requires_grad:
+        return
+    if made.grad is None or made.grad.full is None:
+        raise failure(f"{who}: the gradient got None, should be 2 * the tensor")
+    # d/dx sum(x * x) of the factory's own values (empty and rand ones are not one device's)
+    assert_array_equal(made.grad.full, 2 * view.full, what=f"gradient's full_tensor() on {who}")
+
+
+@pytest.mark.spec("placements.api.shard_dim_from_the_back")
+@PROPERTY
+@given(data=st.data())
+def test_every_api_takes_a_shard_dim_counted_from_the_back(
+    world: World, data: st.DataObject
+) -> None:
+    case = data.draw(from_the_back_cases(world.world_size), label="case")
+    parity.attach(case.call())
+    results = world.run(from_the_back_on_rank, case)
+    refused: dict[str, str] = {}
+    for api in results[0]:
+        made = [per_rank[api] for per_rank in results]
+        errors = [m for m in made if isinstance(m, str)]
+        if errors:
+            refused[api] = errors[0]
+            assert_equal_values(len(errors), len(made), what=f"ranks on which {api} raised")
+        elif api in ("distribute_tensor", "from_local", "redistribute"):
+            assert_layout(
+                [m for m in made if not isinstance(m, str)], case, partial_values_known=True
+            )
+        else:
+            _assert_from_the_back(api, [m for m in made if not isinstance(m, str)], case)
+    if refused:
+        listed = "; ".join(f"{api} ({error})" for api, error in refused.items())
+        raise failure(
+            f"refused {case.placements} in: {listed}; should take Shard(d - ndim) as Shard(d)"
+        )
+
+
+def _assert_from_the_back(api: str, views: list[DTensorView], case: DistributeCase) -> None:
+    """zeros: zeros laid out as the placements say; to_local: the gradient of sum(y * y)."""
+    __tracebackhide__ = True
+    full = case.global_array() * 2 if api == "to_local" else np.zeros(case.shape)
+    for rank, view in enumerate(views):
+        assert view.full is not None
+        assert_array_equal(view.full, full, what=f"full_tensor() of {api}'s DTensor on rank {rank}")
+        if api == "zeros":
+            want = local_arrays(full, case.mesh_shape, case.placements)[case.coord_of(rank)]
+            assert_array_equal(view.local, want, what=f"to_local() of zeros on rank {rank}")
+
+
+@pytest.mark.spec("placements.mesh.flatten_keeps_gather")
+@PROPERTY
+@given(data=st.data())
+def test_flattening_mesh_axes_leaves_dtensors_on_the_mesh_alone(
+    world: World, data: st.DataObject
+) -> None:
+    case = data.draw(flattened_cases(world.world_size), label="case")
+    parity.attach(case.call())
+    assert_layout(world.run(flattened_on_rank, case), case.source, partial_values_known=True)
 
 
 @pytest.mark.spec("placements.distribute.roundtrip")
@@ -303,3 +426,124 @@ def _assert_reshaped(view: DTensorView, expected: np.ndarray, case: ReshapeCase)
     local = _expected_local(view, expected, case.source.mesh_shape)
     if local is not None:
         assert_array_equal(view.local, local, what=f"to_local() of {who}")
+
+
+# A program's values are sums and products of leaves holding multiples of 1/64: one device
+# and the DTensor program add the same terms in other orders (sharded sums, then a
+# reduction), which costs a few ulps of the largest term. The terms are values the program
+# computed, so the tolerance is held to the largest of them.
+PROGRAM_RTOL = 1e-9
+PROGRAM_WHY = "the same terms added in another order; atol scales with the largest term"
+
+
+@pytest.mark.spec("placements.program.matches_one_device")
+@PROGRAM
+@given(data=st.data())
+def test_dtensor_programs_and_their_gradients_match_one_device(
+    world: World, data: st.DataObject
+) -> None:
+    _check_program(world, data.draw(program_cases(world.world_size), label="case"))
+
+
+@pytest.mark.spec("placements.program.inplace_on_partial")
+@PROGRAM
+@given(data=st.data())
+def test_inplace_ops_on_pending_sums_match_one_device(world: World, data: st.DataObject) -> None:
+    _check_program(world, data.draw(inplace_on_partial_cases(world.world_size), label="case"))
+
+
+@pytest.mark.spec("placements.ops.einsum_unit_dim")
+@PROGRAM
+@given(data=st.data())
+def test_einsum_with_a_sharded_dim_of_size_one(world: World, data: st.DataObject) -> None:
+    _check_program(world, data.draw(einsum_unit_dim_cases(world.world_size), label="case"))
+
+
+def _check_program(world: World, case: ProgramCase) -> None:
+    parity.attach(case.call())
+    expected = program_on_one_device(case, world.device)
+    runs = world.run(program_on_rank, case)
+    scale = max(
+        (float(np.abs(a).max()) for a in expected.values + expected.grads if a.size), default=0.0
+    )
+    atol = PROGRAM_RTOL * (1.0 + scale)
+    for rank, run in enumerate(runs):
+        _assert_program_values(run, expected, case, rank, atol)
+        _assert_program_grads(run, expected, case, rank, atol)
+
+
+def _assert_program_values(
+    run: ProgramRun, expected: Reference, case: ProgramCase, rank: int, atol: float
+) -> None:
+    __tracebackhide__ = True
+    names = case.value_names()
+    for index, view in enumerate(run.values):
+        who = f"{names[index]} on rank {rank} (mesh coord {view.coord})"
+        want = expected.values[index]
+        assert_equal_values(view.coord, case.mesh.coord_of(rank), what=f"mesh coordinate of {who}")
+        assert_equal_values(view.dtype, "float64", what=f"dtype of {who}")
+        assert_equal_values(view.shape, want.shape, what=f"shape of {who}")
+        if expected.contiguous[index] and want.size:
+            # a side of 1 is never stepped over: its stride is free on one device too
+            sides = [d for d, side in enumerate(want.shape) if side > 1]
+            strides = [
+                [stride[d] for d in sides] for stride in (view.stride, expected.strides[index])
+            ]
+            assert_equal_values(*strides, what=f"stride of {who} (sides > 1)")
+        grad_flag = run.requires_grad[index]
+        assert_equal_values(
+            grad_flag, expected.requires_grad[index], what=f"requires_grad of {who}"
+        )
+        _assert_program_array(view, want, case, who, atol, "program/values")
+
+
+def _assert_program_grads(
+    run: ProgramRun, expected: Reference, case: ProgramCase, rank: int, atol: float
+) -> None:
+    __tracebackhide__ = True
+    names = case.value_names()
+    for index, grad in enumerate(run.grads):
+        who = f"the gradient of {names[index]} on rank {rank}"
+        want = expected.grads[index]
+        if grad is None:
+            raise failure(f"{who}: got None, should be a gradient like one device's")
+        if isinstance(grad, DTensorView):
+            assert_equal_values(grad.shape, want.shape, what=f"shape of {who}")
+            _assert_program_array(grad, want, case, who, atol, "program/grads")
+            continue
+        placements = no_partial(case.leaves[index].placements)
+        coord = case.mesh.coord_of(rank)
+        local = local_arrays(want, case.mesh.shape, placements)[coord]
+        what = f"{who}'s local tensor (from_local's input, laid out {placements})"
+        assert_close(
+            grad, local, rtol=PROGRAM_RTOL, atol=atol, dtype="float64", what=what, why=PROGRAM_WHY
+        )
+
+
+def _assert_program_array(
+    view: DTensorView, want: np.ndarray, case: ProgramCase, who: str, atol: float, record_as: str
+) -> None:
+    """full_tensor() is one device's value, and to_local() its piece for the placements
+    the result carries (not known for Partial contributions)."""
+    __tracebackhide__ = True
+    assert view.full is not None
+    _assert_program_close(view.full, want, f"full_tensor() of {who}", atol, record_as)
+    local = _expected_local(view, want, case.mesh.shape)
+    if local is not None:
+        _assert_program_close(view.local, local, f"to_local() of {who}", atol)
+
+
+def _assert_program_close(
+    actual: np.ndarray, want: np.ndarray, what: str, atol: float, record_as: str | None = None
+) -> None:
+    __tracebackhide__ = True
+    assert_close(
+        actual,
+        want,
+        rtol=PROGRAM_RTOL,
+        atol=atol,
+        dtype="float64",
+        what=what,
+        why=PROGRAM_WHY,
+        record_as=record_as,
+    )

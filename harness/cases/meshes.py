@@ -11,6 +11,10 @@ from specs.meshes import CONSTRUCTIONS, coord_in, submesh_ranks
 from specs.placements import Coord
 
 AXIS_NAMES = ("a0", "a1", "a2")
+# Flattening leaves state on the root mesh that every slice of it shares: torch 2.13 then
+# gathers unevenly nested shards wrongly on them (spec placements.mesh.flatten_keeps_gather
+# checks that on its own), so flattened meshes come from a root of their own.
+FLATTENED_NAMES = ("f0", "f1", "f2")
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,10 @@ class MeshCase:
     @property
     def names(self) -> tuple[str, ...] | None:
         """The parent's axis names (None: a mesh from a shape has none)."""
-        return None if self.how == "shape" else AXIS_NAMES[: len(self.parent)]
+        if self.how == "shape":
+            return None
+        names = FLATTENED_NAMES if self.how == "flattened" else AXIS_NAMES
+        return names[: len(self.parent)]
 
     def ranks_of(self, rank: int) -> list[int]:
         """The global ranks of ``rank``'s mesh, flattened row-major."""

@@ -170,3 +170,68 @@ class RedistributeCase(_OnAMesh):
             f"redistribute(shape={self.shape}, dtype={self.dtype}, mesh={self.mesh_shape}, "
             f"{self.src} -> {self.dst}{self.mesh_call()})"
         )
+
+
+FACTORIES = ("ones", "zeros", "full", "empty", "rand", "randn")
+FillValue = bool | int | float
+
+
+@dataclass(frozen=True)
+class FactoryCase(_OnAMesh):
+    """``torch.distributed.tensor.<factory>(shape[, fill_value], dtype=, requires_grad=,
+    device_mesh=, placements=)`` against ``torch.<factory>`` of the same arguments."""
+
+    mesh_shape: tuple[int, ...]
+    placements: tuple[Placement, ...]
+    shape: tuple[int, ...]
+    factory: str
+    dtype: str | None
+    """None: torch's default (full: inferred from the fill value)."""
+    requires_grad: bool
+    fill_value: FillValue | None = None
+    construction: MeshCase | None = None
+
+    def __post_init__(self) -> None:
+        self._check_mesh()
+        check_one_of("factory", self.factory, FACTORIES)
+        filled = self.factory == "full"
+        require(
+            filled == (self.fill_value is not None),
+            "fill_value",
+            self.fill_value,
+            "given for full only",
+        )
+        if self.dtype is not None:
+            check_one_of("dtype", self.dtype, DTYPES)
+
+    @property
+    def deterministic(self) -> bool:
+        """Its values are known (not empty's garbage or rand's draws)."""
+        return self.factory in ("ones", "zeros", "full")
+
+    def call(self) -> str:
+        fill = "" if self.fill_value is None else f", {self.fill_value!r}"
+        dtype = "" if self.dtype is None else f", dtype=torch.{self.dtype}"
+        return (
+            f"torch.distributed.tensor.{self.factory}({self.shape}{fill}{dtype}, "
+            f"requires_grad={self.requires_grad}, mesh={self.mesh_shape}, "
+            f"placements={self.placements}{self.mesh_call()})"
+        )
+
+
+@dataclass(frozen=True)
+class FlattenedCase:
+    """``distribute_tensor`` on a named mesh of ``source.mesh_shape`` after
+    ``mesh[flattened axes]._flatten()``, one tensor dim sharded on every flattened axis."""
+
+    source: DistributeCase
+    flattened: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        ndim = len(self.source.mesh_shape)
+        fits = len(self.flattened) >= 2 and set(self.flattened) <= set(range(ndim))
+        require(fits, "flattened", self.flattened, f"2 or more axes of a {ndim}-D mesh")
+
+    def call(self) -> str:
+        axes = ", ".join(f"'p{axis}'" for axis in self.flattened)
+        return f"mesh[{axes}]._flatten() first; then {self.source.call()} on mesh"

@@ -10,10 +10,20 @@ from functools import cache
 from hypothesis import strategies as st
 
 from harness.cases.meshes import MeshCase
-from harness.cases.placements import DistributeCase, OpCase, RedistributeCase, ReshapeCase
+from harness.cases.placements import (
+    FACTORIES,
+    DistributeCase,
+    FactoryCase,
+    FillValue,
+    FlattenedCase,
+    OpCase,
+    RedistributeCase,
+    ReshapeCase,
+)
 from harness.errors import check_int, check_subset, require
 from harness.strategies._common import (
     dtypes,
+    factorisations,
     mesh_shapes,
     sampled,
     seeds,
@@ -22,7 +32,15 @@ from harness.strategies._common import (
 )
 from harness.strategies.meshes import mesh_cases
 from harness.torchkit.dtensor_ops import OPS, Op
-from specs.placements import REDUCE_OPS, Partial, Placement, Replicate, Shard, local_boxes
+from specs.placements import (
+    REDUCE_OPS,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    local_boxes,
+    normalize,
+)
 
 
 def _axis_choices(tensor_ndim: int, partial_op: str | None) -> tuple[Placement, ...]:
@@ -358,3 +376,78 @@ def uneven_shard_cases(draw: st.DrawFn, world_size: int) -> DistributeCase:
 def _construction(built: MeshCase) -> MeshCase | None:
     """None for a mesh built from its shape, as cases spell the plain mesh."""
     return None if built.how == "shape" else built
+
+
+_FILLS: tuple[FillValue, ...] = (2, 1.5, True, -3, 0.25, False)
+
+
+def factory_cases(
+    world_size: int, *, factories: Sequence[str] = FACTORIES
+) -> st.SearchStrategy[FactoryCase]:
+    """A DTensor factory of ``factories`` over a drawn mesh and Shard/Replicate placements
+    (dims counted from the front: spec placements.api.shard_dim_from_the_back checks the
+    other spelling): its dtype given (float32, float64, int64) or left to torch (full
+    infers it from a bool, int or float fill value), ``requires_grad`` drawn where the
+    dtype is floating (torch refuses it on integer tensors)."""
+    check_int("world_size", world_size)
+    check_subset("factories", factories, FACTORIES, non_empty=True)
+    return _factory_cases(world_size, tuple(factories))
+
+
+@cache
+@st.composite
+def _factory_cases(draw: st.DrawFn, world_size: int, factories: tuple[str, ...]) -> FactoryCase:
+    built = draw(mesh_cases(world_size))
+    mesh = built.shape
+    shape = draw(shapes(near=max(mesh)))
+    chosen = normalize(draw(placements(len(mesh), len(shape), reduce_ops=())), len(shape))
+    factory = draw(sampled(factories))
+    floating_only = factory in ("rand", "randn")
+    choices = ("float32", "float64") if floating_only else ("float32", "float64", "int64")
+    dtype = draw(sampled((None, *choices)))
+    fill = draw(sampled(_FILLS)) if factory == "full" else None
+    floating = _floating(dtype, fill)
+    requires_grad = draw(st.booleans()) if floating else False
+    return FactoryCase(
+        mesh, chosen, shape, factory, dtype, requires_grad, fill, _construction(built)
+    )
+
+
+def _floating(dtype: str | None, fill: FillValue | None) -> bool:
+    """The factory's result is floating: torch's default dtype, or full's inferred one."""
+    if dtype is not None:
+        return dtype != "int64"
+    return not isinstance(fill, bool | int) or fill is None
+
+
+@takes_world_size
+@st.composite
+def from_the_back_cases(draw: st.DrawFn, world_size: int) -> DistributeCase:
+    """float64 Shard/Replicate placements over a drawn mesh, one axis or more sharding a
+    dim counted from the back (``Shard(d - ndim)``)."""
+    built = draw(mesh_cases(world_size))
+    mesh = built.shape
+    shape = draw(shapes(min_ndim=1, near=max(mesh)))
+    chosen = list(draw(placements(len(mesh), len(shape), reduce_ops=())))
+    axis = draw(st.integers(0, len(mesh) - 1))
+    chosen[axis] = Shard(draw(st.integers(-len(shape), -1)))
+    seed = draw(seeds())
+    return DistributeCase(mesh, tuple(chosen), shape, "float64", seed, 0, _construction(built))
+
+
+@takes_world_size
+@st.composite
+def flattened_cases(draw: st.DrawFn, world_size: int) -> FlattenedCase:
+    """A mesh of 2 or more axes over ``world_size`` ranks, some of its axes flattened, and a
+    float64 tensor with one dim sharded on every flattened axis (nested: uneven and empty
+    pieces where the dim is short), the other axes Replicate or Shard."""
+    require(world_size >= 1, "world_size", world_size, ">= 1")
+    mesh = draw(sampled(tuple(s for s in factorisations(world_size, 3) if len(s) >= 2)))
+    axes = draw(st.lists(sampled(tuple(range(len(mesh)))), min_size=2, unique=True))
+    shape = draw(shapes(min_ndim=1, near=max(mesh)))
+    chosen = list(draw(placements(len(mesh), len(shape), reduce_ops=())))
+    dim = draw(st.integers(0, len(shape) - 1))
+    for axis in axes:
+        chosen[axis] = Shard(dim)
+    source = DistributeCase(mesh, tuple(chosen), shape, "float64", draw(seeds()))
+    return FlattenedCase(source, tuple(sorted(axes)))

@@ -8,17 +8,28 @@ the rank and mesh coordinate that differ.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import Replicate as TorchReplicate
+from torch.distributed.tensor import zeros as dtensor_zeros
 
 from harness import RankContext
 from harness.cases.meshes import MeshCase
-from harness.cases.placements import DistributeCase, OpCase, RedistributeCase, ReshapeCase
+from harness.cases.placements import (
+    DistributeCase,
+    FactoryCase,
+    FlattenedCase,
+    OpCase,
+    RedistributeCase,
+    ReshapeCase,
+)
 from harness.parity import assert_array_equal, assert_equal_values
 from harness.torchkit import dtensor_ops, internals
 from harness.torchkit.dtensor import (
@@ -27,6 +38,7 @@ from harness.torchkit.dtensor import (
     tensor_from,
     to_numpy,
     to_torch_placements,
+    torch_dtype,
     view_of,
 )
 from specs.placements import (
@@ -202,3 +214,109 @@ def mesh_on_rank(ctx: RankContext, case: MeshCase) -> MeshView:
         group_ranks=[dist.get_process_group_ranks(group) for group in groups],
         group_sums=sums,
     )
+
+
+@dataclass(frozen=True)
+class FactoryView:
+    """A factory's DTensor on one rank, its autograd flags, and the gradient of the sum of
+    its squares (None where it does not require grad)."""
+
+    view: DTensorView
+    requires_grad: bool
+    is_leaf: bool
+    grad: DTensorView | None
+
+
+def factory_on_rank(ctx: RankContext, case: FactoryCase) -> FactoryView:
+    import torch.distributed.tensor as dtensor_api
+
+    mesh = ctx.mesh_of(case.mesh)
+    placements = to_torch_placements(case.placements)
+    try:
+        made = getattr(dtensor_api, case.factory)(
+            *_factory_sizes(case), **_factory_options(case), device_mesh=mesh, placements=placements
+        )
+    except AssertionError as exc:
+        if str(exc):
+            raise
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        where = f"{frame.name} ({Path(frame.filename).name}:{frame.lineno})"
+        raise AssertionError(f"torch raised an AssertionError with no message in {where}") from exc
+    grad = None
+    if made.requires_grad:
+        (made * made).sum().backward()
+        grad = view_of(made.grad, ctx.rank) if made.grad is not None else None
+    return FactoryView(view_of(made.detach(), ctx.rank), made.requires_grad, made.is_leaf, grad)
+
+
+def factory_on_one_device(case: FactoryCase, device: str) -> torch.Tensor:
+    made = getattr(torch, case.factory)(
+        *_factory_sizes(case), **_factory_options(case), device=device
+    )
+    assert isinstance(made, torch.Tensor)
+    return made
+
+
+def _factory_sizes(case: FactoryCase) -> tuple[object, ...]:
+    size = torch.Size(case.shape)
+    return (size,) if case.fill_value is None else (size, case.fill_value)
+
+
+def _factory_options(case: FactoryCase) -> dict[str, object]:
+    options: dict[str, object] = {"requires_grad": case.requires_grad}
+    if case.dtype is not None:
+        options["dtype"] = torch_dtype(case.dtype)
+    return options
+
+
+def from_the_back_on_rank(ctx: RankContext, case: DistributeCase) -> dict[str, DTensorView | str]:
+    """Each placements-taking API given ``case.placements`` as spelled (a Shard dim counted
+    from the back): its DTensor, or the ``Type: message`` of what it raised. ``zeros`` is
+    the factory's zeros; ``to_local`` is the gradient of sum(y * y), y the from_local of a
+    to_local whose ``grad_placements`` are the spelled ones."""
+    mesh = ctx.mesh_of(case.mesh)
+    spelled = to_torch_placements(case.placements)
+    whole = tensor_from(case.global_array(), case.dtype, ctx.device)
+    piece = local_arrays(case.global_array(), case.mesh_shape, case.placements)
+    local = tensor_from(piece[case.coord_of(ctx.rank)], case.dtype, ctx.device)
+    size, replicated = torch.Size(case.shape), [TorchReplicate()] * mesh.ndim
+
+    def hinted_gradient() -> torch.Tensor | None:
+        leaf = distribute_tensor(whole.clone().requires_grad_(), mesh, spelled)
+        hinted = leaf.to_local(grad_placements=spelled)
+        again = DTensor.from_local(hinted, mesh, spelled, shape=size, stride=leaf.stride())
+        (again * again).sum().backward()
+        return leaf.grad
+
+    calls: dict[str, Callable[[], torch.Tensor | None]] = {
+        "distribute_tensor": lambda: distribute_tensor(whole, mesh, spelled),
+        "from_local": lambda: DTensor.from_local(
+            local, mesh, spelled, shape=size, stride=contiguous_stride(case.shape)
+        ),
+        "redistribute": lambda: distribute_tensor(whole, mesh, replicated).redistribute(
+            mesh, spelled
+        ),
+        "zeros": lambda: dtensor_zeros(
+            size, dtype=whole.dtype, device_mesh=mesh, placements=spelled
+        ),
+        "to_local": hinted_gradient,
+    }
+    results: dict[str, DTensorView | str] = {}
+    for api, call in calls.items():
+        try:
+            made = call()
+        except (AssertionError, RuntimeError, ValueError) as exc:
+            results[api] = f"{type(exc).__name__}: {exc}"
+        else:
+            results[api] = view_of(made, ctx.rank)
+    return results
+
+
+def flattened_on_rank(ctx: RankContext, case: FlattenedCase) -> DTensorView:
+    """The case's DTensor on its own named root mesh, once the axes are flattened."""
+    source = case.source
+    root = ctx.mesh(source.mesh_shape, tuple(f"p{axis}" for axis in range(len(source.mesh_shape))))
+    names = tuple(f"p{axis}" for axis in case.flattened)
+    root[names]._flatten("_".join(names))
+    whole = tensor_from(source.global_array(), source.dtype, ctx.device)
+    return view_of(distribute_tensor(whole, root, to_torch_placements(source.placements)), ctx.rank)

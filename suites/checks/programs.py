@@ -1,0 +1,108 @@
+"""Rank function and one-device reference of the DTensor program property."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from harness import RankContext
+from harness.cases.programs import ProgramCase
+from harness.torchkit.dtensor import (
+    DTensorView,
+    tensor_from,
+    to_numpy,
+    to_torch_placements,
+    view_of,
+)
+from harness.torchkit.programs import loss_of, run_steps
+from specs.placements import contiguous_stride, local_arrays
+
+
+@dataclass(frozen=True)
+class ProgramRun:
+    """One rank's program: every value (leaves first), whether each requires grad, and
+    each leaf's gradient: a DTensor view for a distributed leaf, this rank's local
+    gradient for a leaf made by from_local (None: no gradient reached it)."""
+
+    values: list[DTensorView]
+    requires_grad: list[bool]
+    grads: list[DTensorView | np.ndarray | None]
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The program on one device: values, their strides and flags, leaf gradients."""
+
+    values: list[np.ndarray]
+    strides: list[tuple[int, ...]]
+    contiguous: list[bool]
+    requires_grad: list[bool]
+    grads: list[np.ndarray]
+
+
+def leaf_pieces(case: ProgramCase, index: int, rank: int) -> np.ndarray:
+    """What ``rank`` passes to from_local for leaf ``index``: its piece of the global
+    array (distinct contributions on Partial axes, which add up to it)."""
+    leaf = case.leaves[index]
+    layout = local_arrays(
+        case.leaf_array(index),
+        case.mesh.shape,
+        leaf.placements,
+        partial="distinct",
+        seed=leaf.seed,
+    )
+    return layout[case.mesh.coord_of(rank)]
+
+
+def program_on_rank(ctx: RankContext, case: ProgramCase) -> ProgramRun:
+    mesh = ctx.mesh_of(case.mesh)
+    inputs: list[torch.Tensor] = []
+    leaves: list[torch.Tensor] = []
+    for index, leaf in enumerate(case.leaves):
+        placements = to_torch_placements(leaf.placements)
+        if leaf.how == "distribute":
+            whole = tensor_from(case.leaf_array(index), "float64", ctx.device)
+            dtensor = distribute_tensor(whole.requires_grad_(), mesh, placements)
+            inputs.append(dtensor)
+            leaves.append(dtensor)
+            continue
+        local = tensor_from(leaf_pieces(case, index, ctx.rank), "float64", ctx.device)
+        local.requires_grad_()
+        shape, stride = torch.Size(case.shape), contiguous_stride(case.shape)
+        inputs.append(DTensor.from_local(local, mesh, placements, shape=shape, stride=stride))
+        leaves.append(local)
+    values = run_steps(case, list(inputs), mesh)
+    loss_of(values).backward()
+    return ProgramRun(
+        values=[view_of(v.detach(), ctx.rank) for v in values],
+        requires_grad=[v.requires_grad for v in values],
+        grads=[_grad_of(leaf, ctx.rank) for leaf in leaves],
+    )
+
+
+def _grad_of(leaf: torch.Tensor, rank: int) -> DTensorView | np.ndarray | None:
+    if leaf.grad is None:
+        return None
+    if isinstance(leaf, DTensor):
+        return view_of(leaf.grad, rank)
+    return to_numpy(leaf.grad)
+
+
+def program_on_one_device(case: ProgramCase, device: str) -> Reference:
+    where = torch.device(device)
+    leaves = [
+        tensor_from(case.leaf_array(i), "float64", where).requires_grad_()
+        for i in range(len(case.leaves))
+    ]
+    values = run_steps(case, list(leaves), None)
+    loss_of(values).backward()
+    return Reference(
+        values=[to_numpy(v) for v in values],
+        strides=[tuple(v.stride()) for v in values],
+        contiguous=[v.is_contiguous() for v in values],
+        requires_grad=[v.requires_grad for v in values],
+        grads=[to_numpy(leaf.grad) if leaf.grad is not None else np.zeros(0) for leaf in leaves],
+    )
