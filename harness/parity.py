@@ -291,6 +291,8 @@ class ParityLog:
     comparisons: dict[str, Comparison] = field(default_factory=dict)
     references: list[str] = field(default_factory=list)
     """Which single-device implementation each comparison was made against."""
+    exercised: dict[str, int] = field(default_factory=dict)
+    """How many examples exercised each label a test names (``exercise``)."""
 
     def add(self, name: str, comparison: Comparison) -> None:
         """Keep ``comparison`` when it is the worst under ``name`` so far (``severity``): its
@@ -327,6 +329,14 @@ def note_reference(description: str) -> None:
     with the test's record, once per distinct description. A no-op outside ``collecting``."""
     if _active is not None and description not in _active.references:
         _active.references.append(description)
+
+
+def exercise(label: str) -> None:
+    """Count one example's use of ``label`` (an op and the placements it met, say) in the
+    test's record, for the report's coverage of what the examples reached; a no-op outside
+    ``collecting``."""
+    if _active is not None:
+        _active.exercised[label] = _active.exercised.get(label, 0) + 1
 
 
 def record(name: str, comparison: Comparison) -> None:

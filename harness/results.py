@@ -92,6 +92,9 @@ class TestRecord:
     ``atol`` they were held to."""
     references: list[str] = field(default_factory=list)
     """The single-device implementations compared against (device and optimizer)."""
+    exercised: dict[str, int] = field(default_factory=dict)
+    """Per label a test names (``parity.exercise``: a program step's op and the placements it
+    met), how many of its examples reached it."""
     profile: str | None = None
     seed: str | None = None
     reproduce: str | None = None

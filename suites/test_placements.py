@@ -57,7 +57,13 @@ from suites.checks.dtensor import (
     redistribute_or_refusal_on_rank,
     reshape_on_rank,
 )
-from suites.checks.programs import ProgramRun, Reference, program_on_one_device, program_on_rank
+from suites.checks.programs import (
+    ProgramRun,
+    Reference,
+    program_on_one_device,
+    program_on_rank,
+    transitions,
+)
 
 PROPERTY = property_settings()
 # A program runs up to 8 steps and a backward pass: each example costs several op examples.
@@ -463,6 +469,8 @@ def _check_program(world: World, case: ProgramCase) -> None:
     parity.attach(case.call())
     expected = program_on_one_device(case, world.device)
     runs = world.run(program_on_rank, case)
+    for label in transitions(case, runs[0]):
+        parity.exercise(label)
     scale = max(
         (float(np.abs(a).max()) for a in expected.values + expected.grads if a.size), default=0.0
     )

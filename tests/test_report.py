@@ -5,6 +5,7 @@ pytest process, a baseline run and a small catalogue); no torch, no World."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from html.parser import HTMLParser
 from pathlib import Path
@@ -454,3 +455,24 @@ def test_drift_ignores_rounding_but_not_growth_or_a_crossed_tolerance():
     assert grew.worse and grew.factor == "×10"
     [crossed] = drifting(metric(9e-5, 1e-3), metric(1.1e-4, 1e-3))  # ×1.2, but now outside
     assert crossed.worse
+
+
+def test_what_examples_exercised_is_listed_per_spec_most_first(tmp_path):
+    lines = (FIXTURES / "results.jsonl").read_text(encoding="utf-8").splitlines()
+    test = json.loads(lines[1])
+    test["exercised"] = {"neg: S(0) -> S(0)": 3, "sum: S(0) -> P(sum)": 7, "<b>bad</b>": 1}
+    path = tmp_path / "results.jsonl"
+    path.write_text("\n".join([lines[0], json.dumps(test), lines[-1]]) + "\n", encoding="utf-8")
+    html, tree = _render(tmp_path, [path])
+    section = tree.root.by_id("exercised").text
+    assert section.index("sum: S(0) -> P(sum)") < section.index("neg: S(0) -> S(0)")
+    assert "3 distinct" in section
+    assert "<b>bad</b>" not in html, "labels are escaped"
+
+
+def test_a_run_that_counted_nothing_has_no_exercised_section(tmp_path):
+    lines = (FIXTURES / "results.jsonl").read_text(encoding="utf-8").splitlines()
+    path = tmp_path / "results.jsonl"
+    path.write_text("\n".join([lines[0], lines[1], lines[-1]]) + "\n", encoding="utf-8")
+    html, _ = _render(tmp_path, [path])
+    assert 'id="exercised"' not in html

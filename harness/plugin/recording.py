@@ -152,6 +152,7 @@ def record(item: pytest.Item, run: RunConfig) -> TestRecord:
         **_first_failure(test),
         metrics=log.metrics if log else {},
         references=log.references if log else [],
+        exercised=dict(log.exercised) if log else {},
         profile=settings.get_current_profile_name(),
         seed=options.seed(item.config),
         reproduce=reproduce_command(

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.catalogue import Spec
+from harness.report.exercised import SpecExercised, exercised
 from harness.report.records import Expectation, Loaded, Metric, Record, SourceFile, text
 from harness.report.versions import Versions, versions
 from harness.results import SEVERITY as SEVERITY  # re-exported: the report's order of statuses
@@ -198,6 +199,7 @@ class Report:
     versions: Versions
     anchors: Mapping[int, str]
     """The anchor of each record's card, by ``id(record)``: links from the matrix and diff."""
+    exercised: tuple[SpecExercised, ...] = ()
 
 
 def worst(statuses: Iterable[str]) -> str:
@@ -456,4 +458,5 @@ def build(loaded: Loaded, specs: Mapping[str, Spec]) -> Report:
         expected=tuple(expected),
         versions=versions(loaded, records),
         anchors=anchors,
+        exercised=exercised(records),
     )

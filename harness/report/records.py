@@ -90,6 +90,8 @@ class Record:
     reproduce: str | None
     expectation: Expectation | None
     source: str
+    exercised: tuple[tuple[str, int], ...] = ()
+    """What the test's examples reached (``TestRecord.exercised``), label and count."""
 
     @property
     def column(self) -> tuple[str, int | None, str]:
@@ -217,8 +219,19 @@ def normalise(raw: Mapping[str, Any], source: str) -> tuple[Record, str | None]:
         reproduce=text(raw.get("reproduce")),
         expectation=_expectation(raw.get("expectation")),
         source=source,
+        exercised=_exercised(raw.get("exercised")),
     )
     return record, warning
+
+
+def _exercised(value: Any) -> tuple[tuple[str, int], ...]:
+    if not isinstance(value, Mapping):
+        return ()
+    return tuple(
+        (str(label), count)
+        for label, count in value.items()
+        if isinstance(count, int) and not isinstance(count, bool)
+    )
 
 
 def expand(paths: Sequence[Path]) -> list[Path]:

@@ -35,14 +35,19 @@ _ARITY_ONE_NEEDS: dict[str, Callable[[Shape], bool]] = {
 }
 
 
-@takes_world_size
-@st.composite
-def program_cases(draw: st.DrawFn, world_size: int, *, max_steps: int = 8) -> ProgramCase:
+def program_cases(world_size: int, *, max_steps: int = 8) -> st.SearchStrategy[ProgramCase]:
     """1-3 leaves of one shape with elements on a drawn mesh (every construction of
     ``mesh_cases``), each laid out by its own placements (Partial only 'sum': the one
     reduction with a gradient of its own), then 1-``max_steps`` steps, each of an op that
     fits the values before it."""
+    check_int("world_size", world_size)
     check_int("max_steps", max_steps)
+    return _program_cases(world_size, max_steps)
+
+
+@cache
+@st.composite
+def _program_cases(draw: st.DrawFn, world_size: int, max_steps: int) -> ProgramCase:
     mesh = draw(mesh_cases(world_size))
     shape = draw(_shapes(max(mesh.shape)))
     count = draw(st.integers(1, 3))

@@ -18,7 +18,7 @@ from harness.torchkit.dtensor import (
     view_of,
 )
 from harness.torchkit.programs import loss_of, run_steps
-from specs.placements import contiguous_stride, local_arrays
+from specs.placements import Partial, Placement, Replicate, Shard, contiguous_stride, local_arrays
 
 
 @dataclass(frozen=True)
@@ -106,3 +106,27 @@ def program_on_one_device(case: ProgramCase, device: str) -> Reference:
         requires_grad=[v.requires_grad for v in values],
         grads=[to_numpy(leaf.grad) if leaf.grad is not None else np.zeros(0) for leaf in leaves],
     )
+
+
+def transitions(case: ProgramCase, run: ProgramRun) -> list[str]:
+    """What one rank's program reached: each leaf's kind and placements, and each step's op
+    with the placements of its arguments and of its result (``S(0)``, ``R``, ``P(sum)``)."""
+    spelled = [_spell(view.placements) for view in run.values]
+    leaves = [f"leaf {leaf.how}: {spelled[index]}" for index, leaf in enumerate(case.leaves)]
+    offset = len(case.leaves)
+    steps = [
+        f"{step.op}: {', '.join(spelled[a] for a in step.args)} -> {spelled[offset + number]}"
+        for number, step in enumerate(case.steps)
+    ]
+    return leaves + steps
+
+
+def _spell(placements: tuple[Placement | str, ...]) -> str:
+    def one(p: Placement | str) -> str:
+        if isinstance(p, Shard):
+            return f"S({p.dim})"
+        if isinstance(p, Partial):
+            return f"P({p.reduce_op})"
+        return "R" if isinstance(p, Replicate) else str(p)
+
+    return "".join(one(p) for p in placements) or "()"
