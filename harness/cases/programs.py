@@ -173,6 +173,8 @@ class Leaf:
     placements: tuple[Placement, ...]
     how: str
     seed: int
+    explicit_shape: bool = True
+    """from_local: pass ``shape`` and ``stride`` (else torch infers them from an even split)."""
 
     def __post_init__(self) -> None:
         check_one_of("how", self.how, LEAF_KINDS)
@@ -185,6 +187,9 @@ class ProgramCase:
     """Every leaf's global shape."""
     leaves: tuple[Leaf, ...]
     steps: tuple[Step, ...]
+    loss_of_all: bool = True
+    """The loss adds every value's sum of squares; else the last value's only (gradients
+    then reach the leaves through the chain alone, in the layouts its steps give them)."""
 
     def __post_init__(self) -> None:
         require(1 <= len(self.leaves) <= 3, "leaves", self.leaves, "1-3 leaves")
@@ -220,12 +225,14 @@ class ProgramCase:
         names = self.value_names()
         lines = [
             f"{names[i]} = {leaf.how}(shape={self.shape}, placements={leaf.placements}, "
-            f"seed={leaf.seed}, requires_grad=True)"
+            f"seed={leaf.seed}, requires_grad=True"
+            f"{'' if leaf.explicit_shape or leaf.how != 'from_local' else ', no shape='})"
             for i, leaf in enumerate(self.leaves)
         ]
         offset = len(self.leaves)
         lines += [f"{names[offset + i]} = {s.call(names)}" for i, s in enumerate(self.steps)]
-        lines.append(f"sum((v * v).sum() for v in ({', '.join(names)})).backward()")
+        summed = ", ".join(names) if self.loss_of_all else names[-1]
+        lines.append(f"sum((v * v).sum() for v in ({summed},)).backward()")
         return f"on mesh {self.mesh.call()}: " + "; ".join(lines)
 
 

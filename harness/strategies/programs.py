@@ -3,6 +3,7 @@ construction, each step drawn among the ops that fit the shapes of the values be
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from functools import cache
 
@@ -19,7 +20,7 @@ from harness.cases.programs import (
     may_be_partial,
 )
 from harness.errors import check_int
-from harness.strategies._common import sampled, seeds, shapes, takes_world_size
+from harness.strategies._common import mix, sampled, seeds, shapes, takes_world_size
 from harness.strategies.meshes import mesh_cases
 from harness.strategies.placements import placements
 from specs.placements import Partial, Placement, Replicate, Shard, local_boxes
@@ -27,6 +28,21 @@ from specs.placements import Partial, Placement, Replicate, Shard, local_boxes
 # Powers of two and small integers: a scaled or shifted value stays exact in float64.
 _SCALARS = (2.0, 0.5, -1.0, 3.0, 1.5)
 _REDUCING_IN_PLACE = ("add_scalar_", "mul_")
+# The steps that move a value between layouts (and the reductions that make pending sums
+# for them to move) are where DTensor differs from one device: drawn more often than the
+# pointwise ops, which share one sharding rule.
+_WEIGHTS = {
+    "redistribute": 3,
+    "roundtrip": 3,
+    "relabel": 4,
+    "full_tensor": 2,
+    "sum": 2,
+    "sum_dim": 2,
+    "matmul": 2,
+    "transpose": 2,
+    "mul_": 2,
+    "add_scalar_": 2,
+}
 _ARITY_ONE_NEEDS: dict[str, Callable[[Shape], bool]] = {
     "sum_dim": lambda s: len(s) >= 1,
     "mean_dim": lambda s: any(side > 0 for side in s),
@@ -52,7 +68,14 @@ def _program_cases(draw: st.DrawFn, world_size: int, max_steps: int) -> ProgramC
     shape = draw(_shapes(max(mesh.shape)))
     count = draw(st.integers(1, 3))
     leaves = tuple(
-        _unit_dims_whole(draw(_leaves(len(mesh.shape), len(shape))), shape) for _ in range(count)
+        draw(
+            _shaped(
+                _unit_dims_whole(draw(_leaves(len(mesh.shape), len(shape))), shape),
+                shape,
+                mesh.shape,
+            )
+        )
+        for _ in range(count)
     )
     known: list[Shape] = [shape] * count
     partial = [any(isinstance(p, Partial) for p in leaf.placements) for leaf in leaves]
@@ -62,7 +85,21 @@ def _program_cases(draw: st.DrawFn, world_size: int, max_steps: int) -> ProgramC
         steps.append(step)
         known.append(OPS[step.op].shape([known[a] for a in step.args], step))
         partial.append(may_be_partial(step, [partial[a] for a in step.args]))
-    return ProgramCase(mesh, shape, leaves, tuple(steps))
+    return ProgramCase(mesh, shape, leaves, tuple(steps), draw(st.booleans()))
+
+
+def _evenly_split(shape: Shape, mesh_shape: tuple[int, ...], target: tuple[Placement, ...]) -> bool:
+    """Every rank holds a piece of one shape: from_local can infer the global shape."""
+    boxes = local_boxes(shape, mesh_shape, target)
+    return len({local_shape for local_shape, _ in boxes.values()}) == 1
+
+
+@st.composite
+def _shaped(draw: st.DrawFn, leaf: Leaf, shape: Shape, mesh_shape: tuple[int, ...]) -> Leaf:
+    """A from_local leaf of an even split may leave its shape and stride to torch."""
+    if leaf.how != "from_local" or not _evenly_split(shape, mesh_shape, leaf.placements):
+        return leaf
+    return dataclasses.replace(leaf, explicit_shape=draw(st.booleans()))
 
 
 @cache
@@ -116,13 +153,23 @@ def _candidates(
     return tuple((i, j) for i, j in pairs if known[i] == known[j] or () in (known[i], known[j]))
 
 
+def _arguments(
+    candidates: tuple[tuple[int, ...], ...], count: int
+) -> st.SearchStrategy[tuple[int, ...]]:
+    """Half the draws read the newest value (programs chain their steps), the others any
+    fitting value; both shrink towards the first fitting candidate."""
+    newest = tuple(c for c in candidates if c[0] == count - 1)
+    anywhere = sampled(candidates)
+    return mix((1, anywhere), (1, sampled(newest))) if newest else anywhere
+
+
 @st.composite
 def _step(
     draw: st.DrawFn, known: tuple[Shape, ...], partial: tuple[bool, ...], mesh: MeshCase
 ) -> Step:
     fitting = tuple(op for op in OPS if _candidates(op, known, partial))
-    op = draw(sampled(fitting))
-    args = draw(sampled(_candidates(op, known, partial)))
+    op = draw(sampled(tuple(name for name in fitting for _ in range(_WEIGHTS.get(name, 1)))))
+    args = draw(_arguments(_candidates(op, known, partial), len(known)))
     shape = known[args[0]]
     if op in ("sum_dim", "mean_dim"):
         dims = [d for d in range(len(shape)) if op == "sum_dim" or shape[d] > 0]
@@ -159,8 +206,7 @@ def _relabel(
 ) -> Step:
     replicated = [axis for axis, p in enumerate(target) if isinstance(p, Replicate)]
     partial_axes = tuple(axis for axis in replicated if draw(st.booleans()))
-    boxes = local_boxes(shape, mesh_shape, target)
-    even = len({local_shape for local_shape, _ in boxes.values()}) == 1
+    even = _evenly_split(shape, mesh_shape, target)
     sharded = any(isinstance(p, Shard) for p in target)
     # from_local infers the global shape from an even split only
     explicit = draw(st.booleans()) if even or not sharded else True

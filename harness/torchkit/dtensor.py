@@ -107,6 +107,8 @@ class DTensorView:
     full: np.ndarray | None
     mesh_ranks: tuple[int, ...] = ()
     """The global ranks of the DTensor's mesh, flattened row-major."""
+    local_stride: tuple[int, ...] = ()
+    """The local tensor's own strides (its values are in ``local``)."""
 
 
 def view_of(tensor: torch.Tensor | None, rank: int, *, with_full: bool = True) -> DTensorView:
@@ -131,6 +133,7 @@ def view_of(tensor: torch.Tensor | None, rank: int, *, with_full: bool = True) -
         local=to_numpy(local),
         full=full,
         mesh_ranks=tuple(int(r) for r in tensor.device_mesh.mesh.reshape(-1).tolist()),
+        local_stride=tuple(local.stride()),
     )
 
 

@@ -60,10 +60,12 @@ def run_steps(
     return values
 
 
-def loss_of(values: list[torch.Tensor]) -> torch.Tensor:
-    """Every value's sum of squares, added up: a gradient that differs at every element."""
-    total = (values[0] * values[0]).sum()
-    for value in values[1:]:
+def loss_of(case: ProgramCase, values: list[torch.Tensor]) -> torch.Tensor:
+    """Every value's sum of squares, added up (or the last value's): a gradient that differs
+    at every element."""
+    counted = values if case.loss_of_all else values[-1:]
+    total = (counted[0] * counted[0]).sum()
+    for value in counted[1:]:
         total = total + (value * value).sum()
     return total
 

@@ -40,7 +40,8 @@ class Reference:
     strides: list[tuple[int, ...]]
     contiguous: list[bool]
     requires_grad: list[bool]
-    grads: list[np.ndarray]
+    grads: list[np.ndarray | None]
+    """None where the loss does not depend on the leaf (it counts the last value only)."""
 
 
 def leaf_pieces(case: ProgramCase, index: int, rank: int) -> np.ndarray:
@@ -71,11 +72,14 @@ def program_on_rank(ctx: RankContext, case: ProgramCase) -> ProgramRun:
             continue
         local = tensor_from(leaf_pieces(case, index, ctx.rank), "float64", ctx.device)
         local.requires_grad_()
-        shape, stride = torch.Size(case.shape), contiguous_stride(case.shape)
-        inputs.append(DTensor.from_local(local, mesh, placements, shape=shape, stride=stride))
+        if leaf.explicit_shape:
+            shape, stride = torch.Size(case.shape), contiguous_stride(case.shape)
+            inputs.append(DTensor.from_local(local, mesh, placements, shape=shape, stride=stride))
+        else:
+            inputs.append(DTensor.from_local(local, mesh, placements))
         leaves.append(local)
     values = run_steps(case, list(inputs), mesh)
-    loss_of(values).backward()
+    loss_of(case, values).backward()
     return ProgramRun(
         values=[view_of(v.detach(), ctx.rank) for v in values],
         requires_grad=[v.requires_grad for v in values],
@@ -98,13 +102,13 @@ def program_on_one_device(case: ProgramCase, device: str) -> Reference:
         for i in range(len(case.leaves))
     ]
     values = run_steps(case, list(leaves), None)
-    loss_of(values).backward()
+    loss_of(case, values).backward()
     return Reference(
         values=[to_numpy(v) for v in values],
         strides=[tuple(v.stride()) for v in values],
         contiguous=[v.is_contiguous() for v in values],
         requires_grad=[v.requires_grad for v in values],
-        grads=[to_numpy(leaf.grad) if leaf.grad is not None else np.zeros(0) for leaf in leaves],
+        grads=[None if leaf.grad is None else to_numpy(leaf.grad) for leaf in leaves],
     )
 
 
