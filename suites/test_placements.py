@@ -68,7 +68,7 @@ from suites.checks.programs import (
 
 PROPERTY = property_settings()
 # A program runs up to 8 steps and a backward pass: each example costs several op examples.
-PROGRAM = costly(2)
+PROGRAM = costly(1)
 
 
 @pytest.mark.spec("placements.mesh.constructions")
@@ -548,9 +548,10 @@ def _assert_program_array(
 
 
 def _assert_laid_out_like_its_leaf(grad: DTensorView, who: str) -> None:
-    """AccumulateGrad's layout contract on the local tensors too: a leaf's .grad is laid out
-    like the (contiguous) leaf, its local tensor like the leaf's; one laid out otherwise
-    under contiguous metadata breaks view() and in-place optimizer steps on it."""
+    """AccumulateGrad's layout contract, on the local tensors too: a leaf's .grad is laid
+    out like the (contiguous) leaf, and its local tensor steps through its dims in the same
+    order (a chunk of a gathered tensor may leave gaps between rows; a transposed local
+    tensor under contiguous metadata breaks view() and flat-buffer optimizers on it)."""
     __tracebackhide__ = True
     local_shape = grad.local.shape
     dims = [d for d in range(len(grad.shape)) if grad.shape[d] > 1 and local_shape[d] > 1]
@@ -558,9 +559,9 @@ def _assert_laid_out_like_its_leaf(grad: DTensorView, who: str) -> None:
     assert_equal_values(
         [grad.stride[d] for d in dims], [want[d] for d in dims], what=f"stride of {who}"
     )
-    local = contiguous_stride(local_shape)
-    got = [grad.local_stride[d] for d in dims]
-    assert_equal_values(got, [local[d] for d in dims], what=f"stride of {who}'s local tensor")
+    order = sorted(dims, key=lambda d: (-grad.local_stride[d], d))
+    what = f"dims of {who}'s local tensor by stride, largest first (stride {grad.local_stride})"
+    assert_equal_values(order, dims, what=what)
 
 
 def _assert_program_close(

@@ -161,6 +161,7 @@ def _spell_relabel(step: Step, name: str) -> str:
     hint = relabelled(step) if step.partial_axes or step.hint else None
     shape = ", shape=, stride=" if step.explicit_shape else ""
     local = f"{name}.redistribute(mesh, {step.target}).to_local(grad_placements={hint})"
+    local += "" if step.explicit_shape else ".contiguous()"
     return f"DTensor.from_local({local}, mesh, {relabelled(step)}{shape})"
 
 

@@ -23,6 +23,8 @@ from pathlib import Path
 from harness.errors import FaultError
 from harness.faults import (
     blind_dtensor,
+    blind_dtensor_depth,
+    blind_dtensor_depth2,
     blind_state_dict,
     blind_training,
     dtensor,
@@ -43,6 +45,8 @@ _ALL = (
     *state_dict.FAULTS,
     *parallel.FAULTS,
     *blind_dtensor.FAULTS,
+    *blind_dtensor_depth.FAULTS,
+    *blind_dtensor_depth2.FAULTS,
     *blind_training.FAULTS,
     *blind_state_dict.FAULTS,
 )

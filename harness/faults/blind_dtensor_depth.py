@@ -9,18 +9,24 @@ set are in ``blind_dtensor_depth2``.
 
 Each patch was written for torch 2.13: a target that is gone raises FaultError when applied.
 
-Not in the catalogue yet (``harness.faults.CATALOGUE`` does not import this module): the
-properties that should catch them are the work of the DTensor depth issue. Run them with
-``harness mutate --fault-file harness/faults/blind_dtensor_depth.py --fault-file
-harness/faults/blind_dtensor_depth2.py``. Before that work, the placements, uneven and
-state_dict suites at the ci profile (threads, world sizes 1-4, torch 2.13) caught 7 of the
-18 faults of the two modules; here caught: ``inplace_op_redistributes_self`` (only as
-``state_dict.full.module_load``'s known deviation no longer happening),
-``mesh_slice_groups_by_position`` (state_dict.full.gather), ``mesh_slice_first_submesh``
-(state_dict.dcp.reshard); survived: ``partial_plus_scalar_kept_partial``, the four gradient
-faults (``from_local_backward_not_redistributed``, ``from_local_backward_partial_divides``,
+In the catalogue since the DTensor depth work (``harness.faults.FAULTS``).
+
+Before that work, the placements, uneven and state_dict suites at the ci profile (threads,
+world sizes 1-4, torch 2.13) caught 7 of the 18 faults of the two modules; here caught:
+``inplace_op_redistributes_self`` (only as ``state_dict.full.module_load``'s known
+deviation no longer happening), ``mesh_slice_groups_by_position`` (state_dict.full.gather),
+``mesh_slice_first_submesh`` (state_dict.dcp.reshard); survived:
+``partial_plus_scalar_kept_partial``, the four gradient faults
+(``from_local_backward_not_redistributed``, ``from_local_backward_partial_divides``,
 ``to_local_grad_placements_ignored``, ``to_local_partial_grad_kept_partial``),
 ``mesh_flatten_innermost_first``, ``mesh_from_group_local_ranks``.
+
+After it, the same run catches all 18. Here: the mesh faults by placements.mesh.constructions
+(``mesh_flatten_innermost_first`` by placements.mesh.flatten_keeps_gather), the others by
+placements.program.matches_one_device, which alone catches all six of them
+(``inplace_op_redistributes_self`` after 89 examples); in a whole run
+``to_local_grad_placements_ignored`` shows first as placements.api.shard_dim_from_the_back's
+known deviation no longer happening.
 """
 
 from __future__ import annotations

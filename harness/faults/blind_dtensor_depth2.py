@@ -8,14 +8,22 @@ the mechanism of a real upstream bug (the comment above it) in torch 2.13.
 
 Each patch was written for torch 2.13: a target that is gone raises FaultError when applied.
 
-Not in the catalogue yet (see ``blind_dtensor_depth``). Before the DTensor depth work, the
-placements, uneven and state_dict suites at the ci profile caught here: the three DCP faults
+In the catalogue since the DTensor depth work. Before it, the placements, uneven and
+state_dict suites at the ci profile caught here: the three DCP faults
 (``dcp_reshard_one_row_overlap_missed`` and ``dcp_strided_shard_offsets_as_shard`` by
 state_dict.dcp.reshard, ``dcp_dedup_drops_every_replica`` by
 state_dict.dcp.missing_key_refused) and ``from_local_shape_stride_ignored``
 (uneven.redistribute.no_padding); survived: ``from_local_global_stride_of_shard``,
 ``to_local_grad_forward_stride``, ``factory_requires_grad_dropped``,
 ``full_dtype_not_inferred``.
+
+After it, all eight are caught: the DCP faults by state_dict.dcp.any_layout,
+``from_local_global_stride_of_shard`` by placements.program.matches_one_device, the two
+factory faults by placements.factories.match_torch. ``to_local_grad_forward_stride`` is
+caught only as placements.api.shard_dim_from_the_back's known deviation no longer
+happening (the patched backward normalizes the placements it is given): the program
+property checks that a leaf's local gradient steps through its dims in the leaf's order,
+and caught it in one draw of its examples, not in the run recorded last.
 """
 
 from __future__ import annotations

@@ -89,4 +89,6 @@ def _move(value: torch.Tensor, step: Step, mesh: DeviceMesh) -> torch.Tensor:
     local = moved.to_local(grad_placements=hint)
     if step.explicit_shape:
         return DTensor.from_local(local, mesh, labels, shape=moved.shape, stride=moved.stride())
-    return DTensor.from_local(local, mesh, labels)
+    # from_local infers the global stride from the local one, and a redistribute on CPU
+    # (all-gather, then a chunk) can leave a non-contiguous local piece
+    return DTensor.from_local(local.contiguous(), mesh, labels)
