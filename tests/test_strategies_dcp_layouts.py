@@ -69,9 +69,15 @@ def test_drawn_cases_are_valid(world_size: int, load_sizes: list[int], data: st.
         assert SENTINEL not in array
 
 
-def test_cases_shrink_to_one_tensor_loaded_at_the_same_world_size() -> None:
-    case = find(hs.dcp_layout_cases(2, (1, 2, 3)), lambda c: True)
-    assert (case.save_size, case.load_size, len(case.tensors)) == (2, 2, 1)
+def test_cases_shrink_to_one_tensor_and_reach_the_same_world_size() -> None:
+    # derandomized: shrinking from a random first example can stop short of the simplest.
+    # The load size is not pinned: the shortest choice sequence may load at another size
+    # when its layouts take fewer choices there.
+    once = settings(derandomize=True, database=None)
+    case = find(hs.dcp_layout_cases(2, (1, 2, 3)), lambda c: True, settings=once)
+    assert (case.save_size, len(case.tensors)) == (2, 1)
+    same = find(hs.dcp_layout_cases(2, (1, 2, 3)), lambda c: c.load_size == 2, settings=once)
+    assert same.load_size == 2
 
 
 @pytest.mark.parametrize("world_size", [4, 8])
@@ -84,7 +90,11 @@ def test_layouts_reach_strided_and_nested_shards(world_size: int) -> None:
         return len(dims) > len(set(dims))
 
     for wanted in (strided, nested):
-        layout = find(dcp_layouts(world_size, 2), wanted, settings=settings(max_examples=2000))
+        layout = find(
+            dcp_layouts(world_size, 2),
+            wanted,
+            settings=settings(max_examples=2000, derandomize=True, database=None),
+        )
         assert wanted(layout)
 
 
@@ -95,11 +105,15 @@ def test_cases_reach_empty_pieces_and_scalars() -> None:
             0 in t.local_shape(t.load, r) for r in range(case.load_size)
         )
 
-    find(hs.dcp_layout_cases(4, (4,)), empty_piece, settings=settings(max_examples=2000))
+    find(
+        hs.dcp_layout_cases(4, (4,)),
+        empty_piece,
+        settings=settings(max_examples=2000, derandomize=True, database=None),
+    )
     find(
         hs.dcp_layout_cases(4, (4,)),
         lambda c: c.tensors[0].shape == (),
-        settings=settings(max_examples=2000),
+        settings=settings(max_examples=2000, derandomize=True, database=None),
     )
 
 

@@ -66,8 +66,8 @@ def dcp_layout_cases(
 ) -> st.SearchStrategy[DcpLayoutCase]:
     """1..``max_tensors`` named DTensors (integer values in ``allowed_dtypes``; 0-3 dims of
     0-17, empty and uneven ones included) saved on ``world_size`` ranks, each in its own
-    ``dcp_layouts`` layout, and loaded on ``m`` ranks drawn from ``load_sizes`` (shrinking
-    towards ``world_size`` when it is one of them) into another drawn layout."""
+    ``dcp_layouts`` layout, and loaded on ``m`` ranks drawn from ``load_sizes`` (``world_size``
+    first among them when it is one) into another drawn layout."""
     check_int("world_size", world_size)
     require(len(load_sizes) > 0, "load_sizes", tuple(load_sizes), "a non-empty sequence")
     for size in load_sizes:
