@@ -17,11 +17,12 @@ _HOW = mix((3, st.just("shape")), (2, sampled(CONSTRUCTIONS[1:])))
 
 @takes_world_size
 @st.composite
-def mesh_cases(draw: st.DrawFn, world_size: int) -> MeshCase:
-    """A mesh built some way from a parent mesh of ``world_size`` ranks and 1-3 axes: the
-    parent itself, a slice keeping some of its axes, some of its axes flattened into one, or
-    the mesh of one of its axis groups (the last three need a parent of 2 axes or more)."""
-    parent = draw(mesh_shapes(world_size, max_ndim=MAX_MESH_NDIM))
+def mesh_cases(draw: st.DrawFn, world_size: int, *, max_ndim: int = MAX_MESH_NDIM) -> MeshCase:
+    """A mesh built some way from a parent mesh of ``world_size`` ranks and 1-``max_ndim``
+    axes: the parent itself, a slice keeping some of its axes, some of its axes flattened
+    into one, or the mesh of one of its axis groups (the last three need a parent of 2 axes
+    or more)."""
+    parent = draw(mesh_shapes(world_size, max_ndim=max_ndim))
     how = draw(_HOW) if len(parent) > 1 else "shape"
     if how == "shape":
         return MeshCase(parent)

@@ -24,7 +24,6 @@ from harness.errors import check_int, check_subset, require
 from harness.strategies._common import (
     dtypes,
     factorisations,
-    mesh_shapes,
     sampled,
     seeds,
     shapes,
@@ -349,15 +348,17 @@ def partial_sum_integer_cases(draw: st.DrawFn, world_size: int) -> DistributeCas
 @takes_world_size
 @st.composite
 def uneven_redistribute_cases(draw: st.DrawFn, world_size: int) -> RedistributeCase:
-    """Shard/Replicate to Shard/Replicate on 1-D and 2-D meshes, dims drawn around the axis
-    sizes so pieces are short, empty or uneven (the collectives pad them)."""
-    mesh = draw(mesh_shapes(world_size, max_ndim=2))
+    """Shard/Replicate to Shard/Replicate on 1-D and 2-D meshes (built any way), dims drawn
+    around the axis sizes so pieces are short, empty or uneven (the collectives pad them)."""
+    built = draw(mesh_cases(world_size, max_ndim=2))
+    mesh = built.shape
     ndim = draw(st.integers(1, 3))
     shape = tuple(draw(st.integers(0, 2 * max(mesh) + 1)) for _ in range(ndim))
     dtype = draw(dtypes(("float32", "int64")))
     src = draw(placements(len(mesh), ndim, reduce_ops=()))
     dst = draw(placements(len(mesh), ndim, reduce_ops=()))
-    return RedistributeCase(mesh, src, dst, shape, dtype, draw(seeds()))
+    seed = draw(seeds())
+    return RedistributeCase(mesh, src, dst, shape, dtype, seed, _construction(built))
 
 
 @takes_world_size
