@@ -79,7 +79,3 @@ class MeshCase:
         if self.how == "flattened":
             return f"{named}[{kept}]._flatten()"
         return f"DeviceMesh.from_group({named}.get_group({kept}))"
-
-
-def plain(shape: tuple[int, ...]) -> MeshCase:
-    return MeshCase(tuple(shape))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from harness.cases.meshes import MeshCase
-from harness.cases.placements import DistributeCase, integer_array, partial_sum_factor
+from harness.cases.placements import integer_array, partial_sum_factor
 from harness.errors import check_one_of, require
 from specs.placements import Partial, Placement, Replicate
 
@@ -198,15 +198,6 @@ class ProgramCase:
             known = len(self.leaves) + number
             reads = all(0 <= arg < known for arg in step.args)
             require(reads, "steps", step, f"a step reading the {known} values before it")
-
-    def leaf_case(self, index: int) -> DistributeCase:
-        """The leaf as the distribute case whose global array it holds (before scaling)."""
-        construction = None if self.mesh.how == "shape" else self.mesh
-        leaf = self.leaves[index]
-        mesh_shape = self.mesh.shape
-        return DistributeCase(
-            mesh_shape, leaf.placements, self.shape, "float64", leaf.seed, 0, construction
-        )
 
     def leaf_array(self, index: int) -> np.ndarray:
         leaf = self.leaves[index]

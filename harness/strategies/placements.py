@@ -9,7 +9,6 @@ from functools import cache
 
 from hypothesis import strategies as st
 
-from harness.cases.meshes import MeshCase
 from harness.cases.placements import (
     FACTORIES,
     DistributeCase,
@@ -105,7 +104,7 @@ def distribute_cases(
     if no_source and not any(isinstance(p, Partial) for p in chosen):
         sources += (None,)
     seed, source = draw(seeds()), draw(sampled(sources))
-    return DistributeCase(mesh, chosen, shape, dtype, seed, source, _construction(built))
+    return DistributeCase(mesh, chosen, shape, dtype, seed, source, built)
 
 
 @takes_world_size
@@ -128,7 +127,7 @@ def op_cases(draw: st.DrawFn, world_size: int) -> tuple[OpCase, ...]:
     empty_batch = _shards_an_empty_dim_of_a_batch(shape, chosen)
     fitting = [name for name, op in OPS.items() if _fits(op, shape, empty, sharded, empty_batch)]
     names = draw(st.lists(sampled(tuple(fitting)), min_size=1, max_size=4, unique=True))
-    source = DistributeCase(mesh, chosen, shape, "float64", draw(seeds()), 0, _construction(built))
+    source = DistributeCase(mesh, chosen, shape, "float64", draw(seeds()), 0, built)
     return tuple(OpCase(source, name, draw(_applications(name, shape))) for name in names)
 
 
@@ -169,7 +168,7 @@ def reshape_cases(draw: st.DrawFn, world_size: int) -> ReshapeCase:
     target = [1] * draw(st.integers(1, 3))
     for prime in _prime_factors(math.prod(shape)):
         target[draw(st.integers(0, len(target) - 1))] *= prime
-    source = DistributeCase(mesh, chosen, shape, "float64", draw(seeds()), 0, _construction(built))
+    source = DistributeCase(mesh, chosen, shape, "float64", draw(seeds()), 0, built)
     return ReshapeCase(source, tuple(target), draw(sampled(("view", "reshape"))))
 
 
@@ -279,9 +278,7 @@ def redistribute_cases(
         if axis is not None:
             others = tuple(c for c in choices[axis] if c != src[axis])
             dst[axis] = draw(sampled(others))
-    return RedistributeCase(
-        mesh, src, tuple(dst), shape, dtype, draw(seeds()), _construction(built)
-    )
+    return RedistributeCase(mesh, src, tuple(dst), shape, dtype, draw(seeds()), built)
 
 
 def _destinations(
@@ -311,7 +308,7 @@ def partial_target_cases(draw: st.DrawFn, world_size: int) -> RedistributeCase:
     op = held.pop() if held else draw(sampled(_ops_for(dtype)))
     dst = [*src[:axis], Partial(op), *src[axis + 1 :]]
     seed = draw(seeds())
-    return RedistributeCase(mesh, tuple(src), tuple(dst), shape, dtype, seed, _construction(built))
+    return RedistributeCase(mesh, tuple(src), tuple(dst), shape, dtype, seed, built)
 
 
 @takes_world_size
@@ -329,7 +326,7 @@ def extremum_to_shard_cases(draw: st.DrawFn, world_size: int) -> RedistributeCas
     dst = [draw(sampled((*_axis_choices(len(shape), None), p))) for p in src]
     dst[axis] = Shard(draw(st.integers(-len(shape), len(shape) - 1)))
     seed = draw(seeds())
-    return RedistributeCase(mesh, tuple(src), tuple(dst), shape, dtype, seed, _construction(built))
+    return RedistributeCase(mesh, tuple(src), tuple(dst), shape, dtype, seed, built)
 
 
 @takes_world_size
@@ -342,7 +339,7 @@ def partial_sum_integer_cases(draw: st.DrawFn, world_size: int) -> DistributeCas
     chosen = list(draw(placements(len(mesh), len(shape), reduce_ops=("sum",))))
     chosen[draw(st.integers(0, len(mesh) - 1))] = Partial("sum")
     seed = draw(seeds())
-    return DistributeCase(mesh, tuple(chosen), shape, "int64", seed, 0, _construction(built))
+    return DistributeCase(mesh, tuple(chosen), shape, "int64", seed, 0, built)
 
 
 @takes_world_size
@@ -358,7 +355,7 @@ def uneven_redistribute_cases(draw: st.DrawFn, world_size: int) -> RedistributeC
     src = draw(placements(len(mesh), ndim, reduce_ops=()))
     dst = draw(placements(len(mesh), ndim, reduce_ops=()))
     seed = draw(seeds())
-    return RedistributeCase(mesh, src, dst, shape, dtype, seed, _construction(built))
+    return RedistributeCase(mesh, src, dst, shape, dtype, seed, built)
 
 
 @takes_world_size
@@ -372,11 +369,6 @@ def uneven_shard_cases(draw: st.DrawFn, world_size: int) -> DistributeCase:
     sides[dim] = draw(st.integers(0, 2 * world_size + 1))
     dtype = draw(dtypes(("float32", "int64")))
     return DistributeCase((world_size,), (Shard(dim),), tuple(sides), dtype, draw(seeds()))
-
-
-def _construction(built: MeshCase) -> MeshCase | None:
-    """None for a mesh built from its shape, as cases spell the plain mesh."""
-    return None if built.how == "shape" else built
 
 
 _FILLS: tuple[FillValue, ...] = (2, 1.5, True, -3, 0.25, False)
@@ -409,9 +401,7 @@ def _factory_cases(draw: st.DrawFn, world_size: int, factories: tuple[str, ...])
     fill = draw(sampled(_FILLS)) if factory == "full" else None
     floating = _floating(dtype, fill)
     requires_grad = draw(st.booleans()) if floating else False
-    return FactoryCase(
-        mesh, chosen, shape, factory, dtype, requires_grad, fill, _construction(built)
-    )
+    return FactoryCase(mesh, chosen, shape, factory, dtype, requires_grad, fill, built)
 
 
 def _floating(dtype: str | None, fill: FillValue | None) -> bool:
@@ -433,7 +423,7 @@ def from_the_back_cases(draw: st.DrawFn, world_size: int) -> DistributeCase:
     axis = draw(st.integers(0, len(mesh) - 1))
     chosen[axis] = Shard(draw(st.integers(-len(shape), -1)))
     seed = draw(seeds())
-    return DistributeCase(mesh, tuple(chosen), shape, "float64", seed, 0, _construction(built))
+    return DistributeCase(mesh, tuple(chosen), shape, "float64", seed, 0, built)
 
 
 @takes_world_size
