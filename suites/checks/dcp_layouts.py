@@ -18,29 +18,31 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import Replicate as TorchReplicate
-from torch.distributed.tensor import Shard as TorchShard
 from torch.distributed.tensor.placement_types import Placement as TorchPlacement
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from harness import RankContext
 from harness.cases.dcp_layouts import SENTINEL, DcpLayoutCase, Layout, SavedTensor
-from harness.torchkit.dtensor import DTensorView, full_array, tensor_from, view_of
-from specs.placements import Shard, contiguous_stride
+from harness.torchkit.dtensor import (
+    DTensorView,
+    full_array,
+    tensor_from,
+    to_torch_placements,
+    view_of,
+)
+from specs.placements import contiguous_stride
 from specs.strided import LayoutPlacement, StridedShard
 
 
 def torch_placements(placements: tuple[LayoutPlacement, ...]) -> tuple[TorchPlacement, ...]:
-    """The model's placements as torch's (``StridedShard`` as ``_StridedShard``)."""
-    converted: list[TorchPlacement] = []
-    for p in placements:
-        if isinstance(p, StridedShard):
-            converted.append(_StridedShard(p.dim, split_factor=p.split_factor))
-        elif isinstance(p, Shard):
-            converted.append(TorchShard(p.dim))
-        else:
-            converted.append(TorchReplicate())
-    return tuple(converted)
+    """The model's placements as torch's (``StridedShard`` as ``_StridedShard``, the rest
+    as ``harness.torchkit.dtensor.to_torch_placements`` spells them)."""
+    return tuple(
+        _StridedShard(p.dim, split_factor=p.split_factor)
+        if isinstance(p, StridedShard)
+        else to_torch_placements((p,))[0]
+        for p in placements
+    )
 
 
 def _dtensor(ctx: RankContext, tensor: SavedTensor, layout: Layout, local: np.ndarray) -> DTensor:
