@@ -48,17 +48,23 @@ def conformance(session: nox.Session) -> None:
 
 @nox.session
 def gpu(session: nox.Session) -> None:
-    """The suites on CUDA: threads sharing one GPU, then nccl processes with a GPU per rank.
+    """The suites on the accelerator torch sees (CUDA, XPU, ...): threads sharing one device,
+    then rank processes with a device each and the device's default backend (nccl on CUDA).
 
-    Skips, saying so, where no GPU is visible; a GPU job that must not skip passes
+    Skips, saying so, where torch sees no accelerator; a GPU job that must not skip passes
     ``-- --require-gpus``.
     """
     session.install(TORCH, "-e", ".[dev]")
-    count = session.run(
-        "python", "-c", "import torch; print(torch.cuda.device_count())", silent=True
+    found = session.run(
+        "python",
+        "-c",
+        "import torch; a = torch.accelerator.current_accelerator(); "
+        "print(a.type if a is not None else 'none', torch.accelerator.device_count())",
+        silent=True,
     )
-    if not count or int(str(count).strip().splitlines()[-1]) == 0:
-        session.skip("no CUDA GPU is visible (torch.cuda.device_count() == 0)")
+    kind, count = str(found or "none 0").strip().splitlines()[-1].split()
+    if kind == "none" or int(count) == 0:
+        session.skip("torch sees no accelerator (torch.accelerator.current_accelerator() is None)")
     out = os.path.join(REPORTS, "gpu")
     for runner in ("threads", "processes"):
         session.run(
@@ -69,7 +75,7 @@ def gpu(session: nox.Session) -> None:
             "--runner",
             runner,
             "--device",
-            "cuda",
+            kind,
             "--out",
             os.path.join(out, runner),
             *session.posargs,

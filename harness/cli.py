@@ -37,7 +37,7 @@ from harness.errors import (
     check_int,
 )
 from harness.profiles import PROFILES
-from harness.runners import DEVICES, RUNNERS
+from harness.runners import RUNNERS
 
 USAGE_ERROR = 4
 _REFUSED = (InvalidArgument, FaultError, ReportError, CatalogueError, ExpectationError)
@@ -71,6 +71,8 @@ def _config(args: argparse.Namespace, **more: Any) -> RunConfig:
             runner=args.runner,
             world_sizes=parse_world_sizes(args.world_sizes),
             device=args.device,
+            backend=args.backend,
+            backend_plugins=split_names(args.backend_plugin),
             rank_timeout=args.rank_timeout,
             test_timeout=args.test_timeout,
             profile=args.profile,
@@ -177,7 +179,27 @@ def _add_run_options(parser: argparse.ArgumentParser, *, out: Path) -> None:
         default=DEFAULTS.world_sizes_text,
         help=f"comma-separated (default: {DEFAULTS.world_sizes_text})",
     )
-    parser.add_argument("--device", choices=DEVICES, default=DEFAULTS.device)
+    parser.add_argument(
+        "--device",
+        default=DEFAULTS.device,
+        help="cpu or an accelerator type torch knows: cuda, xpu, mps, hpu, a PrivateUse1 name "
+        f"(default: {DEFAULTS.device}); rank processes get one each, rank threads share one",
+    )
+    parser.add_argument(
+        "--backend",
+        default=None,
+        help="process runner: the process-group backend, a name registered with "
+        "torch.distributed (default: the device's, gloo on CPU); the thread runner always "
+        "uses torch's threaded group",
+    )
+    parser.add_argument(
+        "--backend-plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="a module imported in the driver and in every rank before the process group is "
+        "made, to register a backend or device (repeatable or comma-separated)",
+    )
     parser.add_argument(
         "--profile",
         choices=PROFILES,

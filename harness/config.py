@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from harness.errors import (
     require,
 )
 from harness.profiles import PROFILES
-from harness.runners import DEFAULT_TIMEOUT, DEVICES, RUNNERS
+from harness.runners import DEFAULT_DEVICE, DEFAULT_TIMEOUT, RUNNERS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,7 +36,15 @@ class RunConfig:
     runner: str = RUNNERS[0]
     world_sizes: tuple[int, ...] = (1, 2, 3, 4)
     """Every suite test runs once per size (that its ``world_size`` marker allows)."""
-    device: str = DEVICES[0]
+    device: str = DEFAULT_DEVICE
+    """``cpu`` or an accelerator type torch knows (``cuda``, ``xpu``, ...): each rank process
+    gets a device of its own, rank threads share one."""
+    backend: str | None = None
+    """The process runner's process-group backend (a registered name); None: the device's
+    default (gloo on CPU). The thread runner always uses torch's threaded group."""
+    backend_plugins: tuple[str, ...] = ()
+    """Modules imported in the driver and in every rank before a process group is made: a
+    vendor's backend or device registers itself there."""
     rank_timeout: float = DEFAULT_TIMEOUT
     """Seconds one ``world.run`` call may take on every rank."""
     test_timeout: float = 1800.0
@@ -69,7 +78,10 @@ class RunConfig:
     def __post_init__(self) -> None:
         check_one_of("runner", self.runner, RUNNERS)
         check_world_sizes("world_sizes", self.world_sizes)
-        check_one_of("device", self.device, DEVICES)
+        _check_name("device", self.device, "a device type: cpu, cuda, xpu, ...")
+        if self.backend is not None:
+            _check_name("backend", self.backend, "a backend name or None (the device's default)")
+        _check_plugins(self.backend_plugins)
         check_seconds("rank_timeout", self.rank_timeout)
         _check_backstop("test_timeout", self.test_timeout)
         _check_profile(self.profile)
@@ -110,6 +122,22 @@ def _check_backstop(name: str, value: object) -> None:
     is_number = isinstance(value, int | float) and not isinstance(value, bool)
     ok = is_number and 0 <= value < math.inf  # type: ignore[operator]
     require(ok, name, value, "a finite number of seconds >= 0 (0: none)")
+
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def _check_name(name: str, value: object, expected: str) -> None:
+    require(isinstance(value, str) and _NAME.fullmatch(value) is not None, name, value, expected)
+
+
+def _check_plugins(modules: object) -> None:
+    """A tuple of module names (whether they import is checked with the machine)."""
+    require(isinstance(modules, tuple), "backend_plugin", modules, "a tuple of module names")
+    for module in modules:  # type: ignore[attr-defined]
+        ok = isinstance(module, str) and _MODULE.fullmatch(module) is not None
+        require(ok, "backend_plugin", module, "a module name (package.module), importable")
 
 
 def _check_profile(name: str) -> None:

@@ -3,10 +3,12 @@
 A results file is one JSON object per line, each with a ``kind``:
 
 - ``header`` (first): ``schema``, ``started``, versions (``python``, ``torch``, ``cuda``,
-  ``nccl``, ``hypothesis``, ``numpy``, ``pytest``, ``distconf``), ``platform``, ``git_sha``
-  (``+dirty`` when uncommitted), ``argv``, and the run's ``runner``, ``world_sizes``,
-  ``device``, ``profile``, ``seed``, ``derandomize``, ``max_examples``, and ``faults`` (the
-  fault IDs injected: a mutation run, not a conformance verdict).
+  ``nccl``, ``hypothesis``, ``numpy``, ``pytest``, ``distconf``), the ``accelerator`` torch
+  sees, ``platform``, ``git_sha`` (``+dirty`` when uncommitted), ``argv``, and the run's
+  ``runner``, ``world_sizes``, ``device``, ``backend`` (the process group's: ``threaded`` on
+  the thread runner), ``backend_plugins``, ``profile``, ``seed``, ``derandomize``,
+  ``max_examples``, and ``faults`` (the fault IDs injected: a mutation run, not a
+  conformance verdict).
 - ``start`` (before each test runs): ``nodeid``. A start with no ``test`` record after it
   names the test that was running when the session died.
 - ``test`` (one per test outcome): the fields of ``TestRecord``.
@@ -140,14 +142,20 @@ def git_sha(directory: Path) -> str | None:
 
 
 def accelerator_versions() -> dict[str, str | None]:
-    """CUDA and NCCL versions of the installed torch (imports torch)."""
+    """The accelerator this torch sees, and its CUDA and NCCL versions (imports torch)."""
     import torch
 
+    accelerator = torch.accelerator.current_accelerator()
     nccl = None
+    # CUDA-specific: only torch.cuda tells NCCL's version
     if torch.cuda.is_available() and hasattr(torch.cuda, "nccl"):
-        raw = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]
+        raw = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]  # CUDA-specific
         nccl = ".".join(map(str, raw)) if isinstance(raw, tuple) else str(raw)
-    return {"cuda": torch.version.cuda, "nccl": nccl}
+    return {
+        "accelerator": accelerator.type if accelerator is not None else None,
+        "cuda": torch.version.cuda,
+        "nccl": nccl,
+    }
 
 
 def environment_stamp(**run: Any) -> dict[str, Any]:

@@ -60,6 +60,10 @@ def pytest_arguments(
         arguments += [f"--junitxml={config.junit}", "-o", "junit_family=xunit2"]
     if config.strict_collectives:
         arguments.append("--strict-collectives")
+    if config.backend is not None:
+        arguments.append(f"--backend={config.backend}")
+    if config.backend_plugins:
+        arguments.append(f"--backend-plugin={','.join(config.backend_plugins)}")
     if config.faults:
         arguments.append(f"--distconf-faults={','.join(config.faults)}")
     if config.fault_files:
@@ -101,9 +105,15 @@ def run(config: RunConfig, *, extra: Sequence[str] = ()) -> int:
     of the run's verdict (``harness.verdict``), or pytest's where pytest refused to run.
 
     Everything is checked before anything is written: the options (``RunConfig``), the
-    device and the world sizes this machine can hold. An earlier run's records in
-    ``config.out`` are moved aside (``keep_earlier``), never deleted."""
-    check_capacity(config.runner, config.device, config.world_sizes)
+    plugins, the device, the backend and the world sizes this machine can hold. An earlier
+    run's records in ``config.out`` are moved aside (``keep_earlier``), never deleted."""
+    check_capacity(
+        config.runner,
+        config.device,
+        config.world_sizes,
+        backend=config.backend,
+        backend_plugins=config.backend_plugins,
+    )
     config = with_seed(config)
     keep_earlier(config.out)
     exit_code = forked.run_pytest(pytest_arguments(config, extra=extra))

@@ -42,9 +42,9 @@ PROPERTY = property_settings()
 DUPLICATE = "is shared with a parameter already managed by another FSDP group"
 
 
-def _skip_unless_cuda(world: World, what: str) -> None:
-    if world.device != "cuda":
-        pytest.skip(f"{what}: needs --device cuda (this World is on {world.device})")
+def _skip_unless_accelerator(world: World, what: str) -> None:
+    if world.device == "cpu":
+        pytest.skip(f"{what}: needs an accelerator (--device cuda, xpu, ...; this World is on cpu)")
 
 
 # --- what each fully_shard call manages -------------------------------------------------------
@@ -414,20 +414,20 @@ def test_hsdp_refuses_a_hook_stream(world: World, data: st.DataObject) -> None:
 @PROPERTY
 @given(data=st.data())
 def test_fsdp_hook_runs_in_its_stream(world: World, data: st.DataObject) -> None:
-    _skip_unless_cuda(world, "a hook stream is a CUDA stream (CPU has no events)")
+    _skip_unless_accelerator(world, "a hook stream is an accelerator stream (CPU has no events)")
     case = data.draw(mesh_mlp_cases(world.world_size, kind="hsdp"), label="case")
     for rank, ran in enumerate(world.run(meshes.hook_stream_on_rank, case)):
         assert_equal_values(ran, True, what=f"hook ran in the given stream on rank {rank}")
 
 
-# --- devices (CUDA) ---------------------------------------------------------------------------
+# --- devices (accelerators) ------------------------------------------------------------------
 
 
 @pytest.mark.spec("fsdp_init.device.moves_to_mesh_device")
 @PROPERTY
 @given(data=st.data())
 def test_fully_shard_moves_states_to_mesh_device(world: World, data: st.DataObject) -> None:
-    _skip_unless_cuda(world, "fully_shard moves CPU states to the mesh's accelerator")
+    _skip_unless_accelerator(world, "fully_shard moves CPU states to the mesh's accelerator")
     case = data.draw(graph_cases(world.world_size, ties=False), label="case")
     parity.attach(case.call())
     root = model.simulate(case.graph)[-1]
@@ -446,7 +446,7 @@ def test_fully_shard_moves_states_to_mesh_device(world: World, data: st.DataObje
 @PROPERTY
 @given(data=st.data())
 def test_tp_parameters_and_buffers_move_to_mesh_device(world: World, data: st.DataObject) -> None:
-    _skip_unless_cuda(world, "fully_shard moves CPU buffers beside CUDA DTensors")
+    _skip_unless_accelerator(world, "fully_shard moves CPU buffers beside accelerator DTensors")
     case = data.draw(mesh_mlp_cases(world.world_size, kind="tp"), label="case")
     for rank, seen in enumerate(world.run(misc.tp_device_on_rank, case)):
         for name, (device, local) in seen["after"].items():
@@ -456,16 +456,16 @@ def test_tp_parameters_and_buffers_move_to_mesh_device(world: World, data: st.Da
 
 @pytest.mark.spec("fsdp_init.device.dtensor_mesh_mismatch")
 @pytest.mark.runner(
-    "threads", reason="a CPU mesh beside the CUDA one needs gloo; nccl ranks have none"
+    "threads", reason="a CPU mesh beside the accelerator's needs gloo; nccl ranks have none"
 )
 @PROPERTY
 @given(data=st.data())
 def test_dtensor_on_another_device_type_is_refused(world: World, data: st.DataObject) -> None:
-    _skip_unless_cuda(world, "a CPU TP mesh against a CUDA FSDP mesh")
+    _skip_unless_accelerator(world, "a CPU TP mesh against an accelerator FSDP mesh")
     case = data.draw(mesh_mlp_cases(world.world_size, kind="tp"), label="case")
     expected = (
         "Requires DTensor to have mesh of the same type as the FSDP mesh but got cpu for "
-        "DTensor and cuda for FSDP"
+        f"DTensor and {world.device} for FSDP"
     )
     for rank, message in enumerate(world.run(misc.mismatch_on_rank, case)):
         assert_equal_values(message, expected, what=f"ValueError on rank {rank}")

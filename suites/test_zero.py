@@ -304,7 +304,7 @@ def test_ddp_hook_with_sharded_buckets_matches_ddp_local_sgd(
 @pytest.mark.spec("zero.model_parallel")
 @pytest.mark.gpus(4)
 @pytest.mark.world_size(2)
-@pytest.mark.runner("processes", reason="each rank drives two GPUs of its own")
+@pytest.mark.runner("processes", reason="each rank drives two accelerator devices of its own")
 @PROPERTY
 @given(data=st.data())
 def test_model_parallel_ranks_match_a_local_model(world: World, data: st.DataObject) -> None:

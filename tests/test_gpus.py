@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from harness.plugin import gpus
+from harness.torchkit.devices import device_count
 
 LEASE_PROBE = """
 import os
@@ -85,7 +85,7 @@ def test_require_gpus_turns_those_skips_into_failures(pytester, monkeypatch, pro
     run.stdout.fnmatch_lines(["*needs 2 GPU(s); this process holds 0 (--require-gpus)*"])
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without a CUDA GPU")
+@pytest.mark.skipif(device_count("cuda") > 0, reason="needs a host without a CUDA GPU")
 def test_cuda_without_a_gpu_is_refused_before_anything_runs(pytester, monkeypatch, tmp_path):
     # A run whose every test skipped for want of the device used to end "All conformant".
     monkeypatch.setenv("DISTCONF_SIMULATED_GPUS", "0")

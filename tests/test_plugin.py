@@ -198,7 +198,9 @@ def test_catalogue_naming_a_missing_suite_is_an_error(project):
         ),
         ("--world-sizes=0", "*--world-sizes='0' must be*"),
         ("--runner=mpi", "*--runner='mpi' must be one of*"),
-        ("--device=tpu", "*--device='tpu' must be one of*"),
+        ("--device=tpu", "*--device='tpu' must be cpu or an accelerator type torch knows*"),
+        ("--backend=gloo", "*--backend='gloo' must be unset on the thread runner*"),
+        ("--backend-plugin=no_such_plugin", "*--backend-plugin='no_such_plugin' must be a mod*"),
         ("--rank-timeout=0", "*--rank-timeout=0.0 must be a positive, finite number*"),
     ],
 )

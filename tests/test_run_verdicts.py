@@ -136,7 +136,14 @@ def test_a_refused_option_leaves_an_earlier_run_untouched(tmp_path):
     assert code == 0, output[-3000:]
     out = tmp_path / "out"
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
-    for bad in (["--world-sizes", "0"], ["--suite", "nosuch"], ["--rank-timeout", "0"]):
+    refused = (
+        ["--world-sizes", "0"],
+        ["--suite", "nosuch"],
+        ["--rank-timeout", "0"],
+        ["--backend-plugin", "no_such_plugin"],
+        ["--runner", "processes", "--backend", "nccl"],
+    )
+    for bad in refused:
         code, output = _run(tmp_path, *bad, select="passes")
         assert code == 4, output[-3000:]
         assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
@@ -172,7 +179,12 @@ def test_a_world_the_machine_cannot_hold_is_refused_up_front(tmp_path, options, 
 
 @pytest.mark.skipif(
     subprocess.run(
-        [sys.executable, "-c", "import torch, sys; sys.exit(torch.cuda.is_available())"],
+        [
+            sys.executable,
+            "-c",
+            "import sys; from harness.torchkit.devices import device_count; "
+            "sys.exit(device_count('cuda') > 0)",
+        ],
         check=False,
     ).returncode
     != 0,

@@ -82,5 +82,6 @@ def world(request: pytest.FixtureRequest) -> World:
 def worlds(request: pytest.FixtureRequest) -> Worlds:
     """Worlds of every session world size for the configured runner and device (a test's own
     ``world`` among them): ``worlds.get(m)`` for checks that move between world sizes.
-    ``worlds.sizes`` lists the sizes it serves (on cuda, those this process has GPUs for)."""
+    ``worlds.sizes`` lists the sizes it serves (on an accelerator, those this process has
+    devices for)."""
     return dsession.of(request.config).worlds.worlds(request.config)

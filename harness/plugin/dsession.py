@@ -93,7 +93,8 @@ class DistconfSession:
         profile = settings.get_current_profile_name()
         return (
             f"distconf: runner={self.run.runner} world sizes={self.run.world_sizes_text} "
-            f"device={self.run.device} hypothesis profile={profile} ({time.strftime('%Y-%m-%d')})"
+            f"device={self.run.device} backend={recording.backend_of(self.run)} "
+            f"hypothesis profile={profile} ({time.strftime('%Y-%m-%d')})"
         )
 
 

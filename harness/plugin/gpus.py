@@ -1,5 +1,9 @@
 """GPU leasing for ``pytest -n gpu``: one xdist worker per disjoint group of visible GPUs.
 
+GPUs are the devices of the accelerator torch sees (``torch.accelerator``); leasing them to
+workers goes through ``CUDA_VISIBLE_DEVICES``, so ``-n gpu`` with several workers serves CUDA
+(ROCm included); another accelerator runs ``-n gpu`` in one process, saying so.
+
 The controller plans the groups and starts each worker with ``CUDA_VISIBLE_DEVICES`` set in
 its environment (execnet's ``popen//env:`` spec), so the variable is in place before the
 worker imports torch. An outer ``CUDA_VISIBLE_DEVICES`` is honoured: workers get disjoint
@@ -42,7 +46,7 @@ def visible_gpus(env: Mapping[str, str] = os.environ) -> list[str]:
     if simulated is None:
         import torch
 
-        count = torch.cuda.device_count()
+        count = torch.accelerator.device_count()
     else:
         count = simulated
     if outer is None:
@@ -107,7 +111,7 @@ def resolve_workers(config: pytest.Config) -> None:
     except InvalidArgument as exc:
         spelled = {"per_worker": "--gpus-per-worker"}
         raise pytest.UsageError(str(as_option(exc, spelled))) from None
-    if not groups:
+    if not groups or not _leasable():
         config.option.numprocesses = 0  # in-process; GPU tests skip and say why
         return
     config.option.numprocesses = None
@@ -116,13 +120,29 @@ def resolve_workers(config: pytest.Config) -> None:
         config.option.dist = "load"
 
 
+def _leasable() -> bool:
+    """Whether workers can be given GPUs of their own (CUDA_VISIBLE_DEVICES works), saying
+    why not."""
+    if _simulated(os.environ) is not None:
+        return True
+    from harness.torchkit import devices
+
+    kind = devices.accelerator_type()
+    if kind != "cuda":
+        print(
+            f"distconf: -n gpu runs in one process: {kind} devices are not leased by "
+            "CUDA_VISIBLE_DEVICES"
+        )
+    return kind == "cuda"
+
+
 def _gpus_per_world(run: RunConfig) -> int:
-    """GPUs the largest World takes (one unless it runs on cuda)."""
-    return gpus_for_world(run.runner, max(run.world_sizes)) if run.device == "cuda" else 1
+    """GPUs the largest World takes (one unless it runs on an accelerator)."""
+    return gpus_for_world(run.runner, max(run.world_sizes)) if run.device != "cpu" else 1
 
 
 def gpus_for_world(runner: str, world_size: int) -> int:
-    """GPUs a cuda World of ``world_size`` ranks needs in this process: a GPU per rank on
+    """GPUs an accelerator World of ``world_size`` ranks needs in this process: a GPU per rank on
     the process runner, one shared by rank threads."""
     return world_size if runner == "processes" else 1
 

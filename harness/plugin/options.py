@@ -16,7 +16,7 @@ from harness import catalogue
 from harness.config import DEFAULTS, RunConfig, as_option, parse_world_sizes, split_names
 from harness.errors import InvalidArgument, check_one_of
 from harness.profiles import PROFILES, needs_seed
-from harness.runners import DEVICES, RUNNERS
+from harness.runners import RUNNERS
 from harness.runners.capacity import check_capacity
 
 
@@ -36,7 +36,24 @@ def add(parser: pytest.Parser) -> None:
         f"(default: {DEFAULTS.world_sizes_text})",
     )
     group.addoption(
-        "--device", dest="distconf_device", default=DEFAULTS.device, help=f"one of {DEVICES}"
+        "--device",
+        dest="distconf_device",
+        default=DEFAULTS.device,
+        help="cpu or an accelerator type torch knows (cuda, xpu, mps, hpu, a PrivateUse1 name)",
+    )
+    group.addoption(
+        "--backend",
+        dest="distconf_backend",
+        default=None,
+        help="process runner: the process-group backend (default: the device's, gloo on CPU)",
+    )
+    group.addoption(
+        "--backend-plugin",
+        dest="distconf_backend_plugins",
+        action="append",
+        default=[],
+        help="a module imported in the driver and in every rank before the process group is "
+        "made (repeatable or comma-separated)",
     )
     group.addoption(
         "--rank-timeout",
@@ -132,6 +149,8 @@ def run_config(config: pytest.Config) -> RunConfig:
             runner=config.getoption("distconf_runner"),
             world_sizes=parse_world_sizes(config.getoption("distconf_world_sizes")),
             device=config.getoption("distconf_device"),
+            backend=config.getoption("distconf_backend"),
+            backend_plugins=split_names(config.getoption("distconf_backend_plugins")),
             rank_timeout=config.getoption("distconf_rank_timeout"),
             strict_collectives=config.getoption("distconf_strict_collectives"),
             faults=_names(config.getoption("distconf_faults") or env.get(faults.ENV_VAR)),
@@ -144,7 +163,13 @@ def run_config(config: pytest.Config) -> RunConfig:
         # The machine is checked once, where the run starts: an xdist worker leased GPUs
         # (``-n gpu``) sees only its own.
         if not hasattr(config, "workerinput"):
-            check_capacity(run.runner, run.device, run.world_sizes)
+            check_capacity(
+                run.runner,
+                run.device,
+                run.world_sizes,
+                backend=run.backend,
+                backend_plugins=run.backend_plugins,
+            )
     except InvalidArgument as exc:
         raise pytest.UsageError(str(as_option(exc, _SPELLED))) from None
     return run

@@ -23,6 +23,7 @@ from harness.plugin.outcomes import describe_outcome
 from harness.plugin.worlds import uses_other_worlds, world_key
 from harness.results import ResultsWriter, TestRecord, accelerator_versions, environment_stamp
 from harness.runners import WorldKey
+from harness.runners.capacity import check_capacity
 
 
 def open_writer(config: pytest.Config, run: RunConfig) -> ResultsWriter | None:
@@ -41,6 +42,8 @@ def open_writer(config: pytest.Config, run: RunConfig) -> ResultsWriter | None:
         runner=run.runner,
         world_sizes=list(run.world_sizes),
         device=run.device,
+        backend=backend_of(run),
+        backend_plugins=list(run.backend_plugins),
         profile=settings.get_current_profile_name(),
         seed=options.seed(config),
         derandomize=settings.default.derandomize if settings.default else None,
@@ -49,6 +52,14 @@ def open_writer(config: pytest.Config, run: RunConfig) -> ResultsWriter | None:
         **accelerator_versions(),
     )
     return ResultsWriter(path, header)
+
+
+def backend_of(run: RunConfig) -> str:
+    """The process-group backend the run's Worlds use (its plugins imported first: an xdist
+    worker has not checked the machine, and a plugin may register the backend)."""
+    return check_capacity(
+        run.runner, run.device, (), backend=run.backend, backend_plugins=run.backend_plugins
+    )
 
 
 def reproduce_command(
@@ -68,6 +79,9 @@ def reproduce_command(
         ]
     if run.strict_collectives:
         parts.append("--strict-collectives")
+    if run.backend is not None:
+        parts.append(f"--backend={run.backend}")
+    parts += [f"--backend-plugin={module}" for module in run.backend_plugins]
     parts.append(f"--hypothesis-profile={settings.get_current_profile_name()}")
     seed = options.seed(config)
     if seed is not None:

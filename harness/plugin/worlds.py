@@ -65,7 +65,10 @@ class SessionWorlds:
     def cache(self) -> WorldCache:
         if self._cache is None:
             self._cache = WorldCache(
-                timeout=self.run.rank_timeout, strict_collectives=self.run.strict_collectives
+                timeout=self.run.rank_timeout,
+                strict_collectives=self.run.strict_collectives,
+                backend=self.run.backend,
+                backend_plugins=self.run.backend_plugins,
             )
         return self._cache
 
@@ -95,22 +98,26 @@ class SessionWorlds:
 
     def world(self, config: pytest.Config, key: WorldKey) -> World:
         """The started World of ``key`` (a World that cannot start is the fixture's error)."""
-        if key.device == "cuda":
+        if key.device != "cpu":
             needed = gpus.gpus_for_world(key.runner, key.world_size)
-            gpus.require_gpus(config, needed, f"a {key.runner} World of {key.world_size} on cuda")
+            what = f"a {key.runner} World of {key.world_size} on {key.device}"
+            gpus.require_gpus(config, needed, what)
         world = self.cache.get(key.runner, key.world_size, key.device)
         world.start()
         return world
 
     def worlds(self, config: pytest.Config) -> Worlds:
-        """The session's Worlds by size (on cuda, the sizes this process has GPUs for)."""
+        """The session's Worlds by size (on an accelerator, the sizes this process has
+        devices for)."""
         run = self.run
         sizes = run.world_sizes
-        if run.device == "cuda":
+        if run.device != "cpu":
             held = gpus.gpus_held()
             sizes = tuple(s for s in sizes if gpus.gpus_for_world(run.runner, s) <= held)
             if not sizes:
-                gpus.require_gpus(config, min(run.world_sizes), f"{run.runner} Worlds on cuda")
+                gpus.require_gpus(
+                    config, min(run.world_sizes), f"{run.runner} Worlds on {run.device}"
+                )
         return Worlds(self.cache, run.runner, run.device, sizes)
 
     def check_before(self, item: pytest.Item) -> None:

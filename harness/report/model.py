@@ -245,6 +245,7 @@ def facts(loaded: Loaded) -> tuple[Fact, ...]:
     records = loaded.records
     return (
         Fact("torch", header("torch")),
+        Fact("accelerator", header("accelerator")),
         Fact("CUDA", header("cuda")),
         Fact("NCCL", header("nccl")),
         Fact("hypothesis", header("hypothesis")),
@@ -256,6 +257,8 @@ def facts(loaded: Loaded) -> tuple[Fact, ...]:
         Fact("seed", header("seed")),
         Fact("runners", _distinct(r.runner for r in records)),
         Fact("devices", _distinct(r.device for r in records)),
+        Fact("backend", header("backend")),
+        Fact("backend plugins", header("backend_plugins")),
         Fact("world sizes", _distinct(sorted({r.world_size or 0 for r in records}))),
         Fact("started", header("started")),
         Fact("finished", _distinct(e.get("finished") for e in ends)),

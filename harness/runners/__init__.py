@@ -32,11 +32,11 @@ class WorldKey(NamedTuple):
         return f"{self.runner}-ws{self.world_size}-{self.device}"
 
 
-DEVICES = ("cpu", "cuda")
+DEFAULT_DEVICE = "cpu"
 
 __all__ = [
+    "DEFAULT_DEVICE",
     "DEFAULT_TIMEOUT",
-    "DEVICES",
     "RUNNERS",
     "AllRanksSkipped",
     "RankFailure",
@@ -52,33 +52,47 @@ __all__ = [
 ]
 
 
-def _validate(runner: str, world_size: int, device: str, timeout: float) -> None:
-    check_one_of("runner", runner, RUNNERS)
-    check_int("world_size", world_size)
-    check_one_of("device", device, DEVICES)
-    check_seconds("timeout", timeout)
-    check_capacity(runner, device, (world_size,), name="world_size")
-
-
 def make_world(
     runner: str,
     world_size: int,
-    device: str = "cpu",
+    device: str = DEFAULT_DEVICE,
     *,
     timeout: float = DEFAULT_TIMEOUT,
     strict_collectives: bool = False,
+    backend: str | None = None,
+    backend_plugins: tuple[str, ...] = (),
 ) -> World:
     """A new World; the caller closes it.
 
     ``strict_collectives`` makes the process runner check that every rank issues the same
     collective (``TORCH_DISTRIBUTED_DEBUG=DETAIL``); the thread runner always checks.
+    ``backend`` is the process runner's process-group backend (default: the device's, gloo
+    on CPU); the thread runner's ranks always use torch's threaded group. ``backend_plugins``
+    are modules imported here and in every rank before a group is made (they may register a
+    backend or a device).
     """
-    _validate(runner, world_size, device, timeout)
+    check_one_of("runner", runner, RUNNERS)
+    check_int("world_size", world_size)
+    require(isinstance(device, str), "device", device, "a device type such as 'cpu' or 'cuda'")
+    check_seconds("timeout", timeout)
+    chosen = check_capacity(
+        runner,
+        device,
+        (world_size,),
+        name="world_size",
+        backend=backend,
+        backend_plugins=backend_plugins,
+    )
     if runner == "processes":
         from harness.runners.processes import ProcessWorld
 
         return ProcessWorld(
-            world_size, device, timeout=timeout, strict_collectives=strict_collectives
+            world_size,
+            device,
+            timeout=timeout,
+            strict_collectives=strict_collectives,
+            backend=chosen,
+            backend_plugins=backend_plugins,
         )
     from harness.runners.threads import ThreadWorld
 
@@ -89,14 +103,23 @@ def make_world(
 def open_world(
     runner: str = RUNNERS[0],
     world_size: int = 2,
-    device: str = "cpu",
+    device: str = DEFAULT_DEVICE,
     *,
     timeout: float = DEFAULT_TIMEOUT,
     strict_collectives: bool = False,
+    backend: str | None = None,
+    backend_plugins: tuple[str, ...] = (),
 ) -> Iterator[World]:
-    """A World for the ``with`` block; ``world.run(fn, *args)`` runs ``fn(ctx, *args)`` per rank."""
+    """A World for the ``with`` block; ``world.run(fn, *args)`` runs ``fn(ctx, *args)`` per
+    rank (the arguments: ``make_world``'s)."""
     world = make_world(
-        runner, world_size, device, timeout=timeout, strict_collectives=strict_collectives
+        runner,
+        world_size,
+        device,
+        timeout=timeout,
+        strict_collectives=strict_collectives,
+        backend=backend,
+        backend_plugins=backend_plugins,
     )
     try:
         yield world
@@ -108,9 +131,15 @@ class WorldCache:
     """Worlds kept for a session, one per runner × world size × device."""
 
     def __init__(
-        self, *, timeout: float = DEFAULT_TIMEOUT, strict_collectives: bool = False
+        self,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        strict_collectives: bool = False,
+        backend: str | None = None,
+        backend_plugins: tuple[str, ...] = (),
     ) -> None:
         self.timeout, self.strict_collectives = timeout, strict_collectives
+        self.backend, self.backend_plugins = backend, backend_plugins
         self._worlds: dict[WorldKey, World] = {}
 
     def get(self, runner: str, world_size: int, device: str) -> World:
@@ -122,6 +151,8 @@ class WorldCache:
                 device,
                 timeout=self.timeout,
                 strict_collectives=self.strict_collectives,
+                backend=self.backend,
+                backend_plugins=self.backend_plugins,
             )
         return self._worlds[key]
 

@@ -61,6 +61,8 @@ _MONITORED_BARRIER_RELEASES = (
     ),
 )
 _COLLECTIVE_FRAMES = ("distributed_c10d.py", "_functional_collectives.py", "c10d_logger.py")
+PLUGIN_FAILURE = "importing the --backend-plugin modules in the rank"
+"""How a rank's start outcome begins when a plugin failed to import (no use retrying)."""
 # The driver enforces every deadline; the group's own timeout only has to outlast them.
 _GROUP_TIMEOUT = timedelta(hours=2)
 
@@ -78,6 +80,10 @@ class RankConfig:
     join: 0 for a new pool, the next one for a rank respawned into a running pool."""
     gloo_interface: str = ""
     """``GLOO_SOCKET_IFNAME`` for this rank's gloo groups (the driver's choice)."""
+    backend: str = "gloo"
+    """The process-group backend (resolved in the driver: a registered name)."""
+    backend_plugins: tuple[str, ...] = ()
+    """Modules imported before anything else in the rank (they may register the backend)."""
     faults: tuple[str, ...] = ()
     fault_files: tuple[str, ...] = ()
 
@@ -264,12 +270,25 @@ def main(config: RankConfig, conn: Connection) -> None:
     faulthandler.enable(stacks, all_threads=True)
     faulthandler.register(STACK_SIGNAL, stacks, all_threads=True)
     try:
+        _import_plugins(config.backend_plugins)
         rank = _Rank(config)
     except BaseException as exc:
-        conn.send_bytes(pickle.dumps(("ready", error_outcome(config.rank, exc, keep=False))))
+        context = getattr(exc, "distconf_context", "")
+        outcome = error_outcome(config.rank, exc, keep=False, context=context)
+        conn.send_bytes(pickle.dumps(("ready", outcome)))
         return
     conn.send_bytes(pickle.dumps(("ready", RankOutcome(config.rank, "ok"))))
     rank.serve(conn)
+
+
+def _import_plugins(modules: tuple[str, ...]) -> None:
+    from harness.torchkit import devices
+
+    try:
+        devices.import_plugins(modules)
+    except BaseException as exc:
+        exc.distconf_context = PLUGIN_FAILURE  # type: ignore[attr-defined]
+        raise
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -298,20 +317,16 @@ def _alive(pid: int) -> bool:
 
 class _Rank:
     def __init__(self, config: RankConfig) -> None:
-        import torch
 
         from harness import faults
-        from harness.torchkit import internals
+        from harness.torchkit import devices, internals
         from harness.torchkit.context import RankContext
 
         internals.quiet_known_warnings()
         # a mutation run: the driver's faults, here too
         faults.apply_in_rank(config.faults, config.fault_files)
         self.config = config
-        device = torch.device(config.device)
-        if device.type == "cuda":
-            torch.cuda.set_device(config.rank)
-            device = torch.device("cuda", config.rank)
+        device = devices.rank_device(config.device, config.rank)  # one device per rank
         self.ctx = RankContext(
             rank=config.rank, world_size=config.world_size, device=device, runner="processes"
         )
@@ -335,21 +350,27 @@ class _Rank:
         store = c10d.FileStore(
             os.path.join(self.config.directory, f"store.{generation}"), self.config.world_size
         )
-        cuda = self.ctx.device.type == "cuda"
+        accelerator = self.ctx.device.type != "cpu"
         # init_process_group wraps sys.excepthook each time; a rank reset in place hundreds
         # of times would otherwise report an uncaught error through as many wrappers.
         excepthook = sys.excepthook
         try:
             dist.init_process_group(
-                "nccl" if cuda else "gloo",
+                self.config.backend,
                 rank=self.config.rank,
                 world_size=self.config.world_size,
                 store=store,
                 timeout=_GROUP_TIMEOUT,
-                device_id=self.ctx.device if cuda else None,
+                device_id=self.ctx.device if accelerator else None,
             )
         finally:
             sys.excepthook = excepthook
+        made = dist.get_backend()
+        if made != self.config.backend:  # a plugin that registered its name to another
+            raise WorldStartError(
+                f"the process group runs {made!r}, not the backend asked for "
+                f"({self.config.backend!r})"
+            )
 
     def serve(self, conn: Connection) -> None:
         while True:
@@ -397,7 +418,7 @@ class _Rank:
 
         if dist.is_initialized():
             dist.destroy_process_group()
-        if self.ctx.device.type != "cuda":  # nccl's destroy aborts its communicators
+        if self.config.backend != "nccl":  # nccl's destroy aborts its communicators
             _disconnect_gloo_pairs()
 
     def control(self, kind: str, argument: Any) -> RankOutcome:

@@ -1,6 +1,7 @@
-"""What this machine can hold: the devices present and the largest World of each runner,
-checked before a run starts anything (a World too large for the host would start, then hang
-or thrash long before any test could say so).
+"""What this machine can hold: the plugins that import, the devices present, the backend
+registered for them, and the largest World of each runner, checked before a run starts
+anything (a World too large for the host would start, then hang or thrash long before any
+test could say so).
 
 - ``threads``: every rank is a thread of one interpreter, so a collective's rendezvous grows
   with the world size: 1,024 ranks measured 0.5 s per trivial all-reduce on the 2-core CI
@@ -8,7 +9,7 @@ or thrash long before any test could say so).
   user's process limit (``RLIMIT_NPROC``) bounds it further where that is lower.
 - ``processes``: every rank is a process with its own torch: on CPU at most
   ``PROCESSES_PER_CORE`` per usable core and one per ``MEMORY_PER_RANK`` of available
-  memory; on an accelerator one GPU per rank, the GPUs visible.
+  memory; on an accelerator one device per rank, the devices visible.
 """
 
 from __future__ import annotations
@@ -25,19 +26,30 @@ MEMORY_PER_RANK = 512 * 2**20
 """A CPU rank process with torch and a suite's models: about 300 MB resident, measured."""
 
 
-def check_device(device: str) -> None:
-    """Refuse an accelerator that this machine does not have."""
-    if device == "cpu":
-        return
-    import torch
+THREADED_BACKEND = "threaded"
+"""What the thread runner's ranks always use: torch's threaded process group."""
 
-    if not torch.cuda.is_available():
-        raise invalid(
-            "device",
-            device,
-            "a device this machine has: torch.cuda.is_available() is False "
-            f"(torch {torch.__version__}, built with CUDA {torch.version.cuda})",
-        )
+
+def resolve_backend(runner: str, device: str, backend: str | None) -> str:
+    """The process-group backend a World of ``runner`` on ``device`` uses: the thread
+    runner's is always torch's threaded group; the process runner's is ``backend``, or the
+    one torch pairs with the device (gloo on CPU)."""
+    if runner == "threads":
+        if backend not in (None, THREADED_BACKEND):
+            raise invalid("backend", backend, _THREADS_BACKEND)
+        return THREADED_BACKEND
+    from harness.torchkit import devices
+
+    if backend is None:
+        return devices.default_backend(device)
+    devices.check_backend(backend, device)
+    return backend
+
+
+_THREADS_BACKEND = (
+    "unset on the thread runner: its ranks always use torch's threaded process group "
+    "(--runner processes runs a backend)"
+)
 
 
 def largest_world(runner: str, device: str) -> tuple[int, str]:
@@ -49,10 +61,10 @@ def largest_world(runner: str, device: str) -> tuple[int, str]:
             limit, why = processes // 4, f"a quarter of this user's process limit ({processes})"
         return limit, why
     if device != "cpu":
-        import torch
+        from harness.torchkit import devices
 
-        gpus = torch.cuda.device_count()
-        return gpus, f"one GPU per rank process, and {gpus} are visible"
+        count = devices.device_count(device)
+        return count, f"one {device} device per rank process, and {count} are visible"
     cores = len(os.sched_getaffinity(0))
     by_cores = PROCESSES_PER_CORE * cores
     by_memory = _available_memory() // MEMORY_PER_RANK
@@ -62,19 +74,31 @@ def largest_world(runner: str, device: str) -> tuple[int, str]:
 
 
 def check_capacity(
-    runner: str, device: str, world_sizes: Iterable[int], name: str = "world_sizes"
-) -> None:
-    """Refuse, before anything starts, a device that is absent or a World too large
-    (``name``: the argument the sizes came in)."""
-    check_device(device)
+    runner: str,
+    device: str,
+    world_sizes: Iterable[int],
+    name: str = "world_sizes",
+    *,
+    backend: str | None = None,
+    backend_plugins: tuple[str, ...] = (),
+) -> str:
+    """Refuse, before anything starts, a plugin that does not import, a device that is
+    absent, a backend that is not registered for it, or a World too large (``name``: the
+    argument the sizes came in); the backend the Worlds will use."""
+    from harness.torchkit import devices
+
+    devices.check_plugins(backend_plugins)
+    devices.check_device(device)
+    chosen = resolve_backend(runner, device, backend)
     sizes = tuple(world_sizes)
     if not sizes:
-        return
+        return chosen
     limit, why = largest_world(runner, device)
     too_large = [size for size in sizes if size > limit]
     if too_large:
         shown = too_large[0] if len(too_large) == 1 else tuple(too_large)
         raise invalid(name, shown, f"at most {limit} on the {runner} runner ({why})")
+    return chosen
 
 
 def _available_memory() -> int:

@@ -1,4 +1,5 @@
-"""Process runner: N persistent rank processes on gloo (CPU) or nccl (one GPU per rank).
+"""Process runner: N persistent rank processes in a process group of any registered backend
+(gloo on CPU; on an accelerator, one device per rank and its default backend, nccl on CUDA).
 
 A *pool* is N processes that serve calls from a pipe each, and a temporary directory (their
 FileStores, stacks and stderr). The processes are forked by a forkserver that imported torch
@@ -110,8 +111,11 @@ def _refuse_inside_rank_bootstrap() -> None:
 class _Pool:
     """One set of rank processes, the pipes to them, and their temporary directory."""
 
-    def __init__(self, world_size: int, device: str, *, strict: bool) -> None:
+    def __init__(
+        self, world_size: int, device: str, *, strict: bool, backend: str, plugins: tuple[str, ...]
+    ) -> None:
         self.world_size, self.device, self.strict = world_size, device, strict
+        self.backend, self.plugins = backend, plugins
         self.gloo_interface = _rank_process.gloo_interface()
         self.faults = tuple(faults.exported()), tuple(faults.exported_files())
         self.generation = 0
@@ -233,6 +237,8 @@ class _Pool:
             strict_collectives=self.strict,
             generation=self.generation,
             gloo_interface=self.gloo_interface,
+            backend=self.backend,
+            backend_plugins=self.plugins,
             faults=self.faults[0],
             fault_files=self.faults[1],
         )
@@ -348,6 +354,8 @@ class _Pool:
 
     def _start_problems(self, replies: dict[int, RankOutcome], missing: list[int]) -> list[str]:
         failed = {r: o for r, o in replies.items() if o.status != "ok"}
+        if any(o.summary.startswith(_rank_process.PLUGIN_FAILURE) for o in failed.values()):
+            self.retryable = False  # it would fail alike
         problems = [f"rank {r}: {o.summary}\n{o.traceback}" for r, o in sorted(failed.items())]
         exited = [r for r in missing if self._reaped(r)]
         problems += [f"rank {r}: {self._exit_story(r)}" for r in exited]
@@ -468,11 +476,12 @@ class ProcessWorld(PersistentWorld[_Pool]):
         *,
         timeout: float = DEFAULT_TIMEOUT,
         strict_collectives: bool = False,
+        backend: str = "gloo",
+        backend_plugins: tuple[str, ...] = (),
     ) -> None:
-        if device == "cuda":
-            _check_gpus(world_size)
         super().__init__(world_size, device, timeout=timeout)
         self.strict_collectives = strict_collectives
+        self.backend, self.backend_plugins = backend, backend_plugins
         self.respawns = 0
         """Rank processes killed and started anew because a failed call or health check left
         them unusable (dead, past the deadline, stuck in a collective), or a repair failed;
@@ -500,7 +509,13 @@ class ProcessWorld(PersistentWorld[_Pool]):
         _refuse_inside_rank_bootstrap()
         errors = []
         for _ in range(_START_ATTEMPTS):
-            pool = _Pool(self.world_size, self.device, strict=self.strict_collectives)
+            pool = _Pool(
+                self.world_size,
+                self.device,
+                strict=self.strict_collectives,
+                backend=self.backend,
+                plugins=self.backend_plugins,
+            )
             try:
                 pool.start()
             except WorldStartError as exc:
@@ -547,15 +562,3 @@ def _pickled_call(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
                 f"args[{index}]", arg, f"picklable to reach rank processes ({exc})"
             ) from None
     return pickle.dumps((fn, args))
-
-
-def _check_gpus(world_size: int) -> None:
-    import torch
-
-    available = torch.cuda.device_count()
-    if available < world_size:
-        raise invalid(
-            "world_size",
-            world_size,
-            f"at most {available}, the GPUs visible (the process runner gives each rank one)",
-        )

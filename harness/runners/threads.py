@@ -30,7 +30,6 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore
 
@@ -45,7 +44,7 @@ from harness.runners.base import (
     skip_reason,
 )
 from harness.runners.world import PersistentWorld
-from harness.torchkit import internals
+from harness.torchkit import devices, internals
 from harness.torchkit.context import RankContext
 
 RUNNER = "threads"
@@ -222,11 +221,8 @@ class _Generation:
             store=self.store,
             timeout=timedelta(seconds=_START_TIMEOUT),
         )
-        device = torch.device(self.device)
-        if device.type == "cuda":
-            # All rank threads share one GPU, as upstream's FSDPTestMultiThread does.
-            torch.cuda.set_device(0)
-            device = torch.device("cuda", 0)
+        # All rank threads share one device, as upstream's FSDPTestMultiThread does.
+        device = devices.rank_device(self.device, 0)
         return RankContext(rank=rank, world_size=self.world_size, device=device, runner=RUNNER)
 
     def _execute(

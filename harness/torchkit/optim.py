@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.cases.training import OptimConfig, ParityCase
+from harness.torchkit import devices
 from harness.torchkit.dtensor import tensor_from, to_numpy
 from harness.torchkit.models import build_mlp
 
@@ -81,7 +82,8 @@ def loss_of(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def reference_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The accelerator this torch sees, else the CPU."""
+    return torch.device(devices.accelerator_type())
 
 
 def describe_reference(case: ParityCase) -> str:

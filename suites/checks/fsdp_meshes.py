@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from harness import RankContext
 from harness.cases.modules import MLPMeshCase
 from harness.parity import assert_array_equal, failure
+from harness.torchkit import devices
 from harness.torchkit.dtensor import DTensorView, full_grads, tensor_from, to_numpy, view_of
 from harness.torchkit.module_graphs import GraphMLP, build_mesh_mlp, mesh_batch, reset_all
 from specs import fsdp_layouts as layouts
@@ -263,7 +264,7 @@ def stream_rejected_on_rank(ctx: RankContext, case: MLPMeshCase) -> str | None:
     mesh = ctx.mesh(case.mesh_shape, ("replicate", "shard"))
     model = build_mesh_mlp(case, ctx.device)
     fully_shard(model, mesh=mesh)
-    stream = torch.cuda.Stream() if ctx.device.type == "cuda" else torch.Stream(device="cpu")
+    stream = torch.Stream(device=ctx.device)
     try:
         model.set_all_reduce_hook(lambda grad: None, stream=stream)  # type: ignore[operator]
     except ValueError as exc:
@@ -272,16 +273,16 @@ def stream_rejected_on_rank(ctx: RankContext, case: MLPMeshCase) -> str | None:
 
 
 def hook_stream_on_rank(ctx: RankContext, case: MLPMeshCase) -> bool:
-    """FSDP (1-D) with a hook given a CUDA stream: whether the hook ran in that stream."""
+    """FSDP (1-D) with a hook given an accelerator stream: whether the hook ran in it."""
     model = build_mesh_mlp(case, ctx.device)
     fully_shard(model, mesh=ctx.mesh((ctx.world_size,)))
-    stream = torch.cuda.Stream()
+    stream = torch.Stream(device=ctx.device)
     seen: list[Any] = []
     model.set_all_reduce_hook(  # type: ignore[operator]
-        lambda grad: seen.append(torch.cuda.current_stream()), stream=stream
+        lambda grad: seen.append(devices.current_stream(ctx.device)), stream=stream
     )
     _step(model, *_rows(case, ctx, ctx.world_size, ctx.rank))
-    torch.cuda.synchronize()
+    devices.synchronize(ctx.device)
     return bool(seen) and all(s == stream for s in seen)
 
 

@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from harness import RankContext
 from harness.cases.modules import ContainerCase, GraphCase, MLPMeshCase, ShardDimCase
 from harness.parity import assert_array_equal, assert_close, assert_equal_values, failure
+from harness.torchkit import devices
 from harness.torchkit.dtensor import DTensorView, tensor_from, to_numpy, view_of
 from harness.torchkit.module_graphs import (
     DictWithForward,
@@ -266,19 +267,19 @@ def device_on_rank(ctx: RankContext, case: GraphCase, ignored: tuple[Loc, ...]) 
     after = {f"{loc[0]}.{loc[1]}": str(t.device) for loc, t in built.places()}
     built.root.to(ctx.device)
     moved = {f"{loc[0]}.{loc[1]}": str(t.device) for loc, t in built.places()}
-    here = str(torch.device("cuda", torch.cuda.current_device()))
+    here = str(devices.current_device(ctx.device))
     return {"after": after, "moved": moved, "device": here}
 
 
 def tp_device_on_rank(ctx: RankContext, case: MLPMeshCase) -> dict[str, Any]:
-    """CPU MLP parallelised over a CUDA ``tp`` mesh, then sharded over ``dp``: devices of
+    """CPU MLP parallelised over an accelerator's ``tp`` mesh, then sharded over ``dp``: devices of
     every parameter (and local tensor) and buffer before and after ``fully_shard``."""
     mesh = ctx.mesh(case.mesh_shape, ("dp", "tp"))
     model = build_mesh_mlp(case, "cpu")
     parallelize_module(model, mesh["tp"], PLAN)
     before = _devices(model)
     fully_shard(model, mesh=mesh["dp"])
-    here = str(torch.device("cuda", torch.cuda.current_device()))
+    here = str(devices.current_device(ctx.device))
     return {"before": before, "after": _devices(model), "device": here}
 
 
@@ -291,13 +292,13 @@ def _devices(model: nn.Module) -> dict[str, tuple[str, str | None]]:
 
 
 def mismatch_on_rank(ctx: RankContext, case: MLPMeshCase) -> str | None:
-    """TP over a CPU mesh, FSDP over a CUDA mesh: the ValueError ``fully_shard`` raises."""
+    """TP over a CPU mesh, FSDP over an accelerator's: the ValueError ``fully_shard`` raises."""
     cpu = init_device_mesh("cpu", case.mesh_shape, mesh_dim_names=("dp", "tp"))
-    cuda = ctx.mesh(case.mesh_shape, ("dp", "tp"))
+    accelerated = ctx.mesh(case.mesh_shape, ("dp", "tp"))
     model = build_mesh_mlp(case, "cpu")
     parallelize_module(model, cpu["tp"], PLAN)
     try:
-        fully_shard(model, mesh=cuda["dp"])
+        fully_shard(model, mesh=accelerated["dp"])
     except ValueError as exc:
         return str(exc)
     return None

@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from harness import RankContext
 from harness.cases.training import JoinCase, OverlapCase, ParityCase
+from harness.torchkit import devices
 from harness.torchkit.dtensor import tensor_from, to_numpy
 from harness.torchkit.models import build_mlp
 from harness.torchkit.optim import build_optimizer, loss_of, param_groups
@@ -306,9 +307,11 @@ def _abs_sum_loss(model: nn.Module, optimizer: Any, x: torch.Tensor) -> torch.Te
 def model_parallel_on_rank(
     ctx: RankContext, case: JoinCase
 ) -> list[tuple[float, float, list[np.ndarray], list[np.ndarray]]]:
-    """Rank r splits the model over GPUs 2r and 2r+1; DDP + ZeRO(Adam) against a local model
-    with Adam on GPU 2r. (loss, local loss, parameters, local parameters) per step."""
-    first, second = torch.device("cuda", 2 * ctx.rank), torch.device("cuda", 2 * ctx.rank + 1)
+    """Rank r splits the model over accelerator devices 2r and 2r+1; DDP + ZeRO(Adam) against
+    a local model with Adam on device 2r. (loss, local loss, parameters, local parameters)
+    per step."""
+    kind = devices.accelerator_type()
+    first, second = torch.device(kind, 2 * ctx.rank), torch.device(kind, 2 * ctx.rank + 1)
     dims = (*case.dims[:2], case.dims[-1])
     spec = JoinCase(dims, case.inputs, case.epochs, case.lr, case.seed, dtype="float32")
     local = build_mlp(spec, first)
