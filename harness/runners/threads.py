@@ -1,4 +1,6 @@
-"""Thread runner: N persistent rank threads on torch's threaded process group.
+"""Thread runner: N persistent rank threads on torch's threaded process group, always: it
+takes no ``--backend`` (``capacity.resolve_backend`` refuses one), and on an accelerator its
+ranks share device 0.
 
 One *generation* is a set of daemon rank threads that initialised the process group once
 and then serve calls from their inboxes. A World keeps its generation across calls and
