@@ -33,30 +33,16 @@ class ForwardingGloo(dist.ProcessGroup):
         super().__init__(rank, size)  # type: ignore[call-arg]  # stubs: (store, rank, size) only
         # torch's stubs name few of the bound gloo methods this forwards to
         self._inner: Any = dist.ProcessGroupGloo(store, rank, size, timeout)
-        self._name = self._description = ""
+        # Registered as the group's CPU backend, it gives torch what it reads from a C++
+        # backend: the group's name and description, and the device types the group serves
+        # (DCP's broadcast_from_rank0 picks its device from them). Collectives still come to
+        # the methods below first.
+        custom = dist.ProcessGroup.BackendType.CUSTOM
+        self._register_backend(torch.device("cpu"), custom, self._inner)
+        self._set_default_backend(custom)
 
     def getBackendName(self) -> str:
         return self.backend_name
-
-    # torch reads a group's name from its C++ backend, which a Python group has none of
-    def _set_group_name(self, name: str) -> None:
-        self._name = name
-
-    @property
-    def group_name(self) -> str:
-        return self._name
-
-    def _set_group_desc(self, description: str) -> None:
-        self._description = description
-
-    @property
-    def group_desc(self) -> str:
-        return self._description
-
-    # DCP's broadcast_from_rank0 picks its device from the types a group's backends serve
-    @property
-    def _device_types(self) -> list[torch.device]:
-        return [torch.device("cpu")]
 
     # --- what DTensor, FSDP and DCP call (torch's Python names for ProcessGroup methods) ---
 
