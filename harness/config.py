@@ -27,6 +27,7 @@ from harness.errors import (
 )
 from harness.profiles import PROFILES
 from harness.runners import DEFAULT_DEVICE, DEFAULT_TIMEOUT, RUNNERS
+from harness.runners.capacity import check_capacity
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,6 +99,18 @@ class RunConfig:
         check_int("workers", self.workers)
         for path in self.cheap_first:
             require(path.exists(), "cheap_first", str(path), "a results file or a directory")
+
+    def check_machine(self, *, world_sizes: bool = True) -> str:
+        """Refuse what this machine cannot run (imports torch): a plugin that does not
+        import, an absent device, a backend not registered for it and, with
+        ``world_sizes``, a World too large; the process-group backend the Worlds will use."""
+        return check_capacity(
+            self.runner,
+            self.device,
+            self.world_sizes if world_sizes else (),
+            backend=self.backend,
+            backend_plugins=self.backend_plugins,
+        )
 
     @property
     def world_sizes_text(self) -> str:

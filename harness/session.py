@@ -22,7 +22,6 @@ from harness.config import RunConfig, suite_paths
 from harness.errors import ReportError
 from harness.profiles import needs_seed
 from harness.results import UNEXPECTED, is_unexpected, read_results
-from harness.runners.capacity import check_capacity
 from harness.verdict import RunVerdict
 
 RESULTS = "results.jsonl"
@@ -107,13 +106,7 @@ def run(config: RunConfig, *, extra: Sequence[str] = ()) -> int:
     Everything is checked before anything is written: the options (``RunConfig``), the
     plugins, the device, the backend and the world sizes this machine can hold. An earlier
     run's records in ``config.out`` are moved aside (``keep_earlier``), never deleted."""
-    check_capacity(
-        config.runner,
-        config.device,
-        config.world_sizes,
-        backend=config.backend,
-        backend_plugins=config.backend_plugins,
-    )
+    config.check_machine()
     config = with_seed(config)
     keep_earlier(config.out)
     exit_code = forked.run_pytest(pytest_arguments(config, extra=extra))

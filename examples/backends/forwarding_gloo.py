@@ -14,6 +14,7 @@ when a collective computes the wrong thing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -74,8 +75,7 @@ class ForwardingGloo(dist.ProcessGroup):
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
     ) -> dist.Work:
-        pairs = zip(outputs, inputs, strict=True)
-        return _last([self.all_gather_single(out, into, opts) for out, into in pairs])
+        return _each(self.all_gather_single, outputs, inputs, opts)
 
     def reduce_scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
@@ -90,8 +90,7 @@ class ForwardingGloo(dist.ProcessGroup):
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
     ) -> dist.Work:
-        pairs = zip(outputs, inputs, strict=True)
-        return _last([self.reduce_scatter_single(out, into, opts) for out, into in pairs])
+        return _each(self.reduce_scatter_single, outputs, inputs, opts)
 
     def alltoall(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
@@ -128,7 +127,14 @@ class ForwardingGloo(dist.ProcessGroup):
         return self._inner.recv(tensors, src, tag)
 
 
-def _last(works: list[dist.Work]) -> dist.Work:
+def _each(
+    collective: Callable[[torch.Tensor, torch.Tensor, Any], dist.Work],
+    outputs: list[torch.Tensor],
+    inputs: list[torch.Tensor],
+    opts: Any,
+) -> dist.Work:
+    """A coalesced collective as one call per pair, all but the last waited for."""
+    works = [collective(out, into, opts) for out, into in zip(outputs, inputs, strict=True)]
     for work in works[:-1]:
         work.wait()
     return works[-1]

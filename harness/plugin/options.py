@@ -17,7 +17,6 @@ from harness.config import DEFAULTS, RunConfig, as_option, parse_world_sizes, sp
 from harness.errors import InvalidArgument, check_one_of
 from harness.profiles import PROFILES, needs_seed
 from harness.runners import RUNNERS
-from harness.runners.capacity import check_capacity
 
 
 def add(parser: pytest.Parser) -> None:
@@ -163,13 +162,7 @@ def run_config(config: pytest.Config) -> RunConfig:
         # The machine is checked once, where the run starts: an xdist worker leased GPUs
         # (``-n gpu``) sees only its own.
         if not hasattr(config, "workerinput"):
-            check_capacity(
-                run.runner,
-                run.device,
-                run.world_sizes,
-                backend=run.backend,
-                backend_plugins=run.backend_plugins,
-            )
+            run.check_machine()
     except InvalidArgument as exc:
         raise pytest.UsageError(str(as_option(exc, _SPELLED))) from None
     return run

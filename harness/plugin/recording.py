@@ -23,7 +23,6 @@ from harness.plugin.outcomes import describe_outcome
 from harness.plugin.worlds import uses_other_worlds, world_key
 from harness.results import ResultsWriter, TestRecord, accelerator_versions, environment_stamp
 from harness.runners import WorldKey
-from harness.runners.capacity import check_capacity
 
 
 def open_writer(config: pytest.Config, run: RunConfig) -> ResultsWriter | None:
@@ -57,9 +56,7 @@ def open_writer(config: pytest.Config, run: RunConfig) -> ResultsWriter | None:
 def backend_of(run: RunConfig) -> str:
     """The process-group backend the run's Worlds use (its plugins imported first: an xdist
     worker has not checked the machine, and a plugin may register the backend)."""
-    return check_capacity(
-        run.runner, run.device, (), backend=run.backend, backend_plugins=run.backend_plugins
-    )
+    return run.check_machine(world_sizes=False)
 
 
 def reproduce_command(
