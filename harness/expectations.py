@@ -1,10 +1,11 @@
 """Known deviations of torch from the specs: ``specs/expectations/*.toml``.
 
 Each ``[[expect]]`` entry names a spec ID, the conditions under which torch deviates from it
-(torch version range, runner, device, world size), what to do (``xfail``: the test must
-fail, and passing is reported as an unexpected pass; ``skip``: do not run, for deviations
-that hang or crash; ``flaky``: may fail or pass), why, and an upstream link. A deviation never
-hides a failure without its reason: the reason and link travel into the results record.
+(torch version range, runner, device, the process group's backend, world size), what to do
+(``xfail``: the test must fail, and passing is reported as an unexpected pass; ``skip``: do
+not run, for deviations that hang or crash; ``flaky``: may fail or pass), why, and an
+upstream link. A deviation never hides a failure without its reason: the reason and link
+travel into the results record.
 
 An entry pins the deviation, not the spec: its ``fingerprint`` (a regular expression) must be
 found in the failure's text, else the failure is a different one and fails the test
@@ -33,7 +34,7 @@ from harness.errors import check_one_of, fail, raised_as, require
 DEFAULT_DIR = Path(__file__).resolve().parent.parent / "specs" / "expectations"
 STATUSES = ("xfail", "skip", "flaky")
 _REQUIRED = ("spec", "status", "reason", "link")
-_CONDITIONS = ("torch", "runner", "device", "world_size")
+_CONDITIONS = ("torch", "runner", "device", "backend", "world_size")
 _OPTIONAL = (*_CONDITIONS, "raises", "example", "fingerprint", "verified")
 _RUNS = ("xfail", "flaky")
 """Statuses whose test runs, so that its failure can be checked against the fingerprint."""
@@ -50,6 +51,9 @@ class Expectation:
     torch: SpecifierSet | None = None
     runner: tuple[str, ...] = ()
     device: tuple[str, ...] = ()
+    backend: tuple[str, ...] = ()
+    """Process-group backends (``threaded`` for the thread runner's): a deviation of a
+    vendor's backend is recorded against it."""
     world_size: tuple[int, ...] = ()
     raises: tuple[str, ...] = ()
     """Exception class names the deviation shows as; any other failure stays a failure."""
@@ -68,12 +72,15 @@ class Expectation:
         """Whether ``failure`` (``failure_text`` of an exception) is this deviation."""
         return self.fingerprint is None or self.fingerprint.search(failure) is not None
 
-    def matches(self, *, spec: str, runner: str, device: str, world_size: int, torch: str) -> bool:
+    def matches(
+        self, *, spec: str, runner: str, device: str, backend: str, world_size: int, torch: str
+    ) -> bool:
         return (
             spec == self.spec
             and (self.torch is None or Version(torch) in self.torch)
             and (not self.runner or runner in self.runner)
             and (not self.device or device in self.device)
+            and (not self.backend or backend in self.backend)
             and (not self.world_size or world_size in self.world_size)
         )
 
@@ -83,6 +90,7 @@ class Expectation:
             "torch": str(self.torch) if self.torch is not None else None,
             "runner": list(self.runner) or None,
             "device": list(self.device) or None,
+            "backend": list(self.backend) or None,
             "world_size": list(self.world_size) or None,
         }
         return {
@@ -141,6 +149,7 @@ def _parse(entry: Mapping[str, Any], source: str) -> Expectation:
             torch=_specifier(entry.get("torch")),
             runner=_strings(entry, "runner"),
             device=_strings(entry, "device"),
+            backend=_strings(entry, "backend"),
             world_size=_ints(entry, "world_size"),
             raises=_strings(entry, "raises"),
             example=str(entry.get("example", "")),
@@ -211,6 +220,7 @@ def find(
     spec: str,
     runner: str,
     device: str,
+    backend: str,
     world_size: int,
     torch: str,
 ) -> Expectation | None:
@@ -218,12 +228,19 @@ def find(
     found = [
         e
         for e in expectations
-        if e.matches(spec=spec, runner=runner, device=device, world_size=world_size, torch=torch)
+        if e.matches(
+            spec=spec,
+            runner=runner,
+            device=device,
+            backend=backend,
+            world_size=world_size,
+            torch=torch,
+        )
     ]
     if len(found) > 1:
         sources = ", ".join(e.source for e in found)
         raise ExpectationError(
-            f"{sources} all match spec {spec!r} on {runner}/{device}/world size "
+            f"{sources} all match spec {spec!r} on {runner}/{device}/{backend}/world size "
             f"{world_size} with torch {torch}: narrow their conditions so one applies"
         )
     return found[0] if found else None

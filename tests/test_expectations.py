@@ -32,10 +32,21 @@ def _write(tmp_path, text):
 
 def test_matching_honours_every_condition(tmp_path):
     (entry,) = _write(
-        tmp_path, ENTRY.format(status="xfail", extra='runner = ["threads"]\nworld_size = [2]')
+        tmp_path,
+        ENTRY.format(
+            status="xfail", extra='runner = ["threads"]\nbackend = ["threaded"]\nworld_size = [2]'
+        ),
     )
-    match = dict(spec="demo.sum", runner="threads", device="cpu", world_size=2, torch="2.13.0+cpu")
+    match = dict(
+        spec="demo.sum",
+        runner="threads",
+        device="cpu",
+        backend="threaded",
+        world_size=2,
+        torch="2.13.0+cpu",
+    )
     assert entry.matches(**match)
+    assert not entry.matches(**{**match, "backend": "my_vendor_backend"})
     assert not entry.matches(**{**match, "torch": "2.14.0"})
     assert not entry.matches(**{**match, "runner": "processes"})
     assert not entry.matches(**{**match, "world_size": 4})
@@ -45,6 +56,7 @@ def test_matching_honours_every_condition(tmp_path):
     assert entry.as_record("2.13.0")["conditions"] == {
         "torch": "<2.14,>=2.13",
         "runner": ["threads"],
+        "backend": ["threaded"],
         "world_size": [2],
     }
 
@@ -115,7 +127,13 @@ def test_two_entries_for_one_test_is_an_error(tmp_path):
     entries = _write(tmp_path, ENTRY.format(status="xfail", extra="") * 2)
     with pytest.raises(expectations.ExpectationError, match=r"e\.toml #1, e\.toml #2 all match"):
         expectations.find(
-            entries, spec="demo.sum", runner="threads", device="cpu", world_size=2, torch="2.13.0"
+            entries,
+            spec="demo.sum",
+            runner="threads",
+            device="cpu",
+            backend="threaded",
+            world_size=2,
+            torch="2.13.0",
         )
 
 

@@ -129,7 +129,7 @@ def test_update_fixed_closes_the_range_below_the_release(tmp_path, known):
     assert data[0]["torch"] == ">=2.13"
     (entry,) = [e for e in expectations.load(known) if e.spec == "demo.fixed"]
     assert not entry.matches(
-        spec="demo.fixed", runner="t", device="c", world_size=2, torch="2.15.0"
+        spec="demo.fixed", runner="t", device="c", backend="b", world_size=2, torch="2.15.0"
     )
 
 

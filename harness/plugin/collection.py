@@ -86,6 +86,7 @@ def apply_expectations(
     *,
     world_of: Callable[[pytest.Item], WorldKey | None],
     torch_version: str,
+    backend: str,
 ) -> None:
     """Mark the tests torch is known to fail; warn about entries that matched no test of the
     suites that ran. Raises ``ExpectationError`` for an entry naming an unknown spec."""
@@ -94,7 +95,7 @@ def apply_expectations(
         raise expectations.ExpectationError("; ".join(unknown))
     used = set()
     for item in items:
-        entry = _expectation_for(item, entries, world_of(item), torch_version)
+        entry = _expectation_for(item, entries, world_of(item), torch_version, backend)
         if entry is not None:
             item.add_marker(expectations.marker_for(entry, torch_version))
             state.of(item).expectation = entry.as_record(torch_version)
@@ -115,6 +116,7 @@ def _expectation_for(
     entries: list[expectations.Expectation],
     key: WorldKey | None,
     torch_version: str,
+    backend: str,
 ) -> expectations.Expectation | None:
     marker = item.get_closest_marker("spec")
     if key is None or marker is None or not marker.args:
@@ -124,6 +126,7 @@ def _expectation_for(
         spec=str(marker.args[0]),
         runner=key.runner,
         device=key.device,
+        backend=backend,
         world_size=key.world_size,
         torch=torch_version,
     )
@@ -133,9 +136,10 @@ def _is_suite_item(item: pytest.Item, suites: Path) -> bool:
     return isinstance(item, pytest.Function) and item.path.resolve().is_relative_to(suites)
 
 
-def check_and_mark(config: pytest.Config, items: list[pytest.Item]) -> None:
+def check_and_mark(config: pytest.Config, items: list[pytest.Item], *, backend: str) -> None:
     """For the suites among ``items``: every test carries one known spec ID and every active
-    spec is covered (else a usage error), and known deviations mark their tests."""
+    spec is covered (else a usage error), and known deviations mark their tests (``backend``:
+    the process group's, which an expectation may name)."""
     suites = options.suites_dir(config)
     modules = {
         item.path.stem.removeprefix("test_"): item.module
@@ -169,6 +173,7 @@ def check_and_mark(config: pytest.Config, items: list[pytest.Item]) -> None:
             set(modules),
             world_of=world_key,
             torch_version=metadata.version("torch"),
+            backend=backend,
         )
     except expectations.ExpectationError as exc:
         raise pytest.UsageError(f"distconf: {exc}") from None

@@ -57,7 +57,7 @@ class DistconfSession:
     def pytest_collection_modifyitems(
         self, config: pytest.Config, items: list[pytest.Item]
     ) -> None:
-        collection.check_and_mark(config, items)
+        collection.check_and_mark(config, items, backend=recording.backend_of(self.run))
 
     @pytest.hookimpl(trylast=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
