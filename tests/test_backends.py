@@ -71,7 +71,9 @@ def test_a_python_backend_serves_the_suites_with_gloos_outcomes(tmp_path):
     assert _outcomes(tmp_path / "forwarded") == expected
 
 
-@pytest.mark.parametrize("backend", ["faulty_reduce_scatter", "faulty_all_reduce"])
+@pytest.mark.parametrize(
+    "backend", ["faulty_reduce_scatter", "faulty_all_reduce", "faulty_broadcast"]
+)
 def test_a_faulty_backend_is_caught(tmp_path, backend):
     out = tmp_path / "out"
     plugin = ("--backend-plugin", "faulty_gloo", "--backend", backend)

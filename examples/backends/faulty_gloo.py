@@ -8,6 +8,8 @@ forwarded to gloo as they are:
   (the tail a vectorised kernel handles apart) gives the last rank the first rank's chunk.
 - ``faulty_all_reduce``: an all-reduce of a tensor whose size in bytes is not a multiple of 16
   leaves out the last rank's contribution.
+- ``faulty_broadcast``: a broadcast of floating-point tensors never reaches the last rank,
+  which keeps what it held (objects, sent as bytes, still arrive).
 
     python -m harness run --runner processes --backend-plugin faulty_gloo \\
         --backend faulty_reduce_scatter --world-sizes 3
@@ -60,6 +62,19 @@ class TailContributionDropped(ForwardingGloo):
         return super().allreduce(tensors, opts)
 
 
+class LastRankMissesBroadcast(ForwardingGloo):
+    """Broadcast of floating-point tensors: the last rank keeps its own values."""
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+        kept = [t.clone() for t in tensors]
+        work = super().broadcast(tensors, opts)
+        if self.rank() == self.size() - 1 and all(t.is_floating_point() for t in tensors):
+            work.wait()
+            for tensor, before in zip(tensors, kept, strict=True):
+                tensor.copy_(before)
+        return work
+
+
 def _creator(kind: type[ForwardingGloo]) -> Any:
     def create(store: Store, rank: int, size: int, timeout: timedelta) -> ForwardingGloo:
         return kind(store, rank, size, timeout)
@@ -70,6 +85,7 @@ def _creator(kind: type[ForwardingGloo]) -> Any:
 FAULTS: dict[str, type[ForwardingGloo]] = {
     "faulty_reduce_scatter": LastChunkWrong,
     "faulty_all_reduce": TailContributionDropped,
+    "faulty_broadcast": LastRankMissesBroadcast,
 }
 
 for name, kind in FAULTS.items():
