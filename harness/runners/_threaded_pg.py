@@ -28,8 +28,10 @@ from torch._C._distributed_c10d import AllreduceOptions, ReduceScatterOptions
 from torch.testing._internal.distributed import multi_threaded_pg as _upstream
 
 from harness.errors import CollectiveMismatch, RunnerUnsupported
+from harness.runners.capacity import THREADED_BACKEND
 
-BACKEND = "threaded"
+BACKEND = THREADED_BACKEND
+
 # Operations this process group cannot serve, named as World.lacks names them.
 UNSUPPORTED = frozenset(
     {
