@@ -30,6 +30,10 @@ def _write(tmp_path, text):
     return expectations.load(tmp_path)
 
 
+TEST = dict(spec="demo.sum", runner="threads", device="cpu", backend="threaded", world_size=2)
+"""One test's spec and World, as expectations are matched against them."""
+
+
 def test_matching_honours_every_condition(tmp_path):
     (entry,) = _write(
         tmp_path,
@@ -37,14 +41,7 @@ def test_matching_honours_every_condition(tmp_path):
             status="xfail", extra='runner = ["threads"]\nbackend = ["threaded"]\nworld_size = [2]'
         ),
     )
-    match = dict(
-        spec="demo.sum",
-        runner="threads",
-        device="cpu",
-        backend="threaded",
-        world_size=2,
-        torch="2.13.0+cpu",
-    )
+    match = {**TEST, "torch": "2.13.0+cpu"}
     assert entry.matches(**match)
     assert not entry.matches(**{**match, "backend": "my_vendor_backend"})
     assert not entry.matches(**{**match, "torch": "2.14.0"})
@@ -126,15 +123,7 @@ def test_verification_ignores_the_local_build_tag(tmp_path):
 def test_two_entries_for_one_test_is_an_error(tmp_path):
     entries = _write(tmp_path, ENTRY.format(status="xfail", extra="") * 2)
     with pytest.raises(expectations.ExpectationError, match=r"e\.toml #1, e\.toml #2 all match"):
-        expectations.find(
-            entries,
-            spec="demo.sum",
-            runner="threads",
-            device="cpu",
-            backend="threaded",
-            world_size=2,
-            torch="2.13.0",
-        )
+        expectations.find(entries, **TEST, torch="2.13.0")
 
 
 def test_the_shipped_expectations_load_and_name_catalogue_specs():

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -30,9 +31,15 @@ class DistconfSession:
         self.writer: ResultsWriter | None = None
         self.interrupted: str | None = None
 
+    @functools.cached_property
+    def backend(self) -> str:
+        """The process-group backend the session's Worlds use (the plugins imported first: an
+        xdist worker has not checked the machine, and a plugin may register the backend)."""
+        return self.run.check_machine(world_sizes=False)
+
     # Not at configure time: hypothesis loads --hypothesis-profile in its own configure hook.
     def pytest_sessionstart(self, session: pytest.Session) -> None:
-        self.writer = recording.open_writer(self.config, self.run)
+        self.writer = recording.open_writer(self.config, self.run, self.backend)
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         self.worlds.close()
@@ -57,7 +64,7 @@ class DistconfSession:
     def pytest_collection_modifyitems(
         self, config: pytest.Config, items: list[pytest.Item]
     ) -> None:
-        collection.check_and_mark(config, items, backend=recording.backend_of(self.run))
+        collection.check_and_mark(config, items, backend=self.backend)
 
     @pytest.hookimpl(trylast=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
@@ -93,7 +100,7 @@ class DistconfSession:
         profile = settings.get_current_profile_name()
         return (
             f"distconf: runner={self.run.runner} world sizes={self.run.world_sizes_text} "
-            f"device={self.run.device} backend={recording.backend_of(self.run)} "
+            f"device={self.run.device} backend={self.backend} "
             f"hypothesis profile={profile} ({time.strftime('%Y-%m-%d')})"
         )
 

@@ -25,9 +25,10 @@ from harness.results import ResultsWriter, TestRecord, accelerator_versions, env
 from harness.runners import WorldKey
 
 
-def open_writer(config: pytest.Config, run: RunConfig) -> ResultsWriter | None:
+def open_writer(config: pytest.Config, run: RunConfig, backend: str) -> ResultsWriter | None:
     """The session's results file (``--distconf-results``; one per xdist worker), headed by
-    the environment stamp; None when no results were asked for."""
+    the environment stamp (``backend``: the one the Worlds use); None when no results were
+    asked for."""
     target = config.getoption("distconf_results")
     if not target:
         return None
@@ -41,7 +42,7 @@ def open_writer(config: pytest.Config, run: RunConfig) -> ResultsWriter | None:
         runner=run.runner,
         world_sizes=list(run.world_sizes),
         device=run.device,
-        backend=backend_of(run),
+        backend=backend,
         backend_plugins=list(run.backend_plugins),
         profile=settings.get_current_profile_name(),
         seed=options.seed(config),
@@ -51,12 +52,6 @@ def open_writer(config: pytest.Config, run: RunConfig) -> ResultsWriter | None:
         **accelerator_versions(),
     )
     return ResultsWriter(path, header)
-
-
-def backend_of(run: RunConfig) -> str:
-    """The process-group backend the run's Worlds use (its plugins imported first: an xdist
-    worker has not checked the machine, and a plugin may register the backend)."""
-    return run.check_machine(world_sizes=False)
 
 
 def reproduce_command(

@@ -269,26 +269,21 @@ def main(config: RankConfig, conn: Connection) -> None:
     stacks = open(stack_path(config.directory, config.rank), "w")  # noqa: SIM115 (process-long)
     faulthandler.enable(stacks, all_threads=True)
     faulthandler.register(STACK_SIGNAL, stacks, all_threads=True)
-    try:
-        _import_plugins(config.backend_plugins)
-        rank = _Rank(config)
-    except BaseException as exc:
-        context = getattr(exc, "distconf_context", "")
-        outcome = error_outcome(config.rank, exc, keep=False, context=context)
-        conn.send_bytes(pickle.dumps(("ready", outcome)))
-        return
-    conn.send_bytes(pickle.dumps(("ready", RankOutcome(config.rank, "ok"))))
-    rank.serve(conn)
-
-
-def _import_plugins(modules: tuple[str, ...]) -> None:
     from harness.torchkit import devices
 
     try:
-        devices.import_plugins(modules)
+        devices.import_plugins(config.backend_plugins)
     except BaseException as exc:
-        exc.distconf_context = PLUGIN_FAILURE  # type: ignore[attr-defined]
-        raise
+        outcome = error_outcome(config.rank, exc, keep=False, context=PLUGIN_FAILURE)
+        conn.send_bytes(pickle.dumps(("ready", outcome)))
+        return
+    try:
+        rank = _Rank(config)
+    except BaseException as exc:
+        conn.send_bytes(pickle.dumps(("ready", error_outcome(config.rank, exc, keep=False))))
+        return
+    conn.send_bytes(pickle.dumps(("ready", RankOutcome(config.rank, "ok"))))
+    rank.serve(conn)
 
 
 def _exit_with_parent(parent_pid: int) -> None:

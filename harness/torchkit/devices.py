@@ -80,7 +80,7 @@ def rank_device(device: str, index: int) -> torch.device:
     if device == CPU:
         return torch.device(CPU)
     chosen = torch.device(device, index)
-    if _is_current_accelerator(device):
+    if accelerator_type() == device:
         torch.accelerator.set_device_index(index)
     else:
         torch.get_device_module(device).set_device(chosen)
@@ -129,11 +129,6 @@ def synchronize(device: torch.device) -> None:
 
 def current_stream(device: torch.device) -> torch.Stream:
     return torch.accelerator.current_stream(device)
-
-
-def _is_current_accelerator(device: str) -> bool:
-    current = torch.accelerator.current_accelerator()
-    return current is not None and current.type == device
 
 
 def _known_accelerators() -> list[str]:
