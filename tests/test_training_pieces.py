@@ -116,7 +116,7 @@ def test_parity_case_rejects_uneven_micro_batches_and_mixed_precision_accumulati
             "float64",
             OptimConfig("SGD", "default", 0.1),
             1,
-            False,
+            None,
             7,
             micro_batches=2,
         )
@@ -156,7 +156,7 @@ def test_reference_is_deterministic_and_trains():
         "float64",
         OptimConfig("Adam", "foreach", 0.1),
         3,
-        False,
+        None,
         7,
     )
     first, second = reference_run(case), reference_run(case)

@@ -54,23 +54,97 @@ class OptimConfig:
     second_group: tuple[tuple[str, Any], ...] | None = None
     scheduler: tuple[int, float] | None = None
     """``(step_size, gamma)`` of a ``StepLR``."""
+    tensor_lr: bool = False
+    """The learning rate given as a 0-d tensor (``lr=torch.tensor(lr)``)."""
 
     def __post_init__(self) -> None:
         check_one_of("name", self.name, OPTIMIZERS)
         check_one_of("impl", self.impl, IMPLEMENTATIONS)
 
     def kwargs(self) -> dict[str, Any]:
-        """Constructor keyword arguments (the first group's hyper-parameters)."""
+        """Constructor keyword arguments (the first group's hyper-parameters; the lr as a
+        float even where ``tensor_lr``: the optimizer's builder makes it a tensor)."""
         chosen = {"lr": self.lr, **dict(self.options)}
         if self.impl != "default":
             chosen[self.impl] = True
         return chosen
 
     def describe(self) -> str:
-        options = ", ".join(f"{k}={v}" for k, v in self.kwargs().items())
+        kwargs = self.kwargs()
+        if self.tensor_lr:
+            kwargs["lr"] = f"tensor({self.lr})"
+        options = ", ".join(f"{k}={v}" for k, v in kwargs.items())
         extra = f", biases: {dict(self.second_group)}" if self.second_group else ""
         lr_steps = f", StepLR{self.scheduler}" if self.scheduler else ""
         return f"{self.name}({options}){extra}{lr_steps}"
+
+
+PRECISION_DTYPES = ("bfloat16", "float32")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Precision:
+    """``fully_shard``'s ``MixedPrecisionPolicy``: one for the root, one per Linear.
+
+    The root's ``param_dtype`` casts the model's inputs (``cast_forward_inputs``), each
+    Linear's computes in its own ``param_dtype`` (casting its inputs to it), gradients are
+    reduced in ``reduce_dtype``, and the root casts its output to ``output_dtype``."""
+
+    layer_dtypes: tuple[str, ...]
+    """Each Linear's ``param_dtype``, in model order."""
+    root_dtype: str | None = None
+    """The root's ``param_dtype`` (None: the root casts nothing)."""
+    reduce_dtype: str = "float32"
+    output_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        for dtype in (*self.layer_dtypes, self.root_dtype, self.output_dtype):
+            if dtype is not None:
+                check_one_of("dtype", dtype, PRECISION_DTYPES)
+        check_one_of("reduce_dtype", self.reduce_dtype, ("float32",))
+
+    def describe(self) -> str:
+        output = f", output {self.output_dtype}" if self.output_dtype else ""
+        return (
+            f"mixed precision: root {self.root_dtype}, layers {list(self.layer_dtypes)}, "
+            f"reduce {self.reduce_dtype}{output}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Knobs:
+    """The FSDP2 controls real training turns, each set on every ``fully_shard`` module.
+
+    None of them may change what training computes, except ``divide_factor``: gradients
+    are summed over the data-parallel ranks and divided by it instead of averaged."""
+
+    divide_factor: float | None = None
+    """``set_gradient_divide_factor`` (or its deprecated spelling, ``set_reduce_scatter_
+    divide_factor``, when ``deprecated_spelling``)."""
+    deprecated_spelling: bool = False
+    force_sum_reduction: bool = False
+    """``set_force_sum_reduction_for_comms(True)``: sum-only collectives, scaled locally."""
+    hold_all_reduce: bool = False
+    """``set_requires_all_reduce(False)`` before every micro-batch but the last (HSDP)."""
+    hold_reshard: bool = False
+    """``set_reshard_after_backward(False)`` before every micro-batch but the last."""
+    mark_last_backward: bool = False
+    """``set_is_last_backward`` True before the last micro-batch only."""
+    reshard_to: int | None = None
+    """``reshard_after_forward`` as an int: reshard to groups of this many ranks."""
+    explicit_unshard: bool = False
+    """``unshard(async_op=True)`` on every module before each forward, ``reshard()``
+    after each optimizer step."""
+    prefetch: int = 0
+    """Each Linear prefetches the next (forward) and previous (backward) this many."""
+    checkpoint: bool = False
+    """Each Linear wrapped in ``checkpoint_wrapper`` (non-reentrant) before sharding."""
+    flatten: tuple[int, int] | None = None
+    """fsdp: the 1-D mesh is this 2-D mesh flattened (``mesh._flatten()``)."""
+
+    def describe(self) -> str:
+        turned = {k: v for k, v in self.__dict__.items() if v not in (None, False, 0)}
+        return ", ".join(f"{k}={v}" for k, v in turned.items())
 
 
 @dataclass(frozen=True)
@@ -87,8 +161,8 @@ class ParityCase:
     dtype: str
     optim: OptimConfig
     steps: int
-    mixed_precision: bool
-    """FSDP's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``."""
+    precision: Precision | None
+    """FSDP's ``MixedPrecisionPolicy`` per module (None: every module in ``dtype``)."""
     seed: int
     micro_batches: int = 1
     """Each data-parallel rank's rows of a step split into this many equal micro-batches,
@@ -101,6 +175,7 @@ class ParityCase:
     """The norm ``clip_grad_norm_`` measures (2, 1 or inf)."""
     wrapper_options: tuple[tuple[str, Any], ...] = ()
     """Keyword arguments of the DDP constructor (ddp, zero) or of every ``fully_shard``."""
+    knobs: Knobs = Knobs()
 
     def __post_init__(self) -> None:
         check_one_of("layout", self.layout, LAYOUTS)
@@ -114,8 +189,17 @@ class ParityCase:
         tp = self.mesh_shape[-1] if self.layout in TP_LAYOUTS else 1
         return math.prod(self.mesh_shape) // tp
 
+    @property
+    def gradient_scale(self) -> float:
+        """What the gradients are multiplied by against one device's: data-parallel size /
+        divide factor (1 unless a factor is set)."""
+        factor = self.knobs.divide_factor
+        return 1.0 if factor is None else self.data_parallel / factor
+
     def call(self) -> str:
-        precision = ", bf16 params/fp32 reduce" if self.mixed_precision else ""
+        precision = f", {self.precision.describe()}" if self.precision else ""
+        knobs = self.knobs.describe()
+        precision += f", knobs: {knobs}" if knobs else ""
         synced = ", each synced" if self.sync_each_micro_batch else ""
         micro = f" in {self.micro_batches} micro-batches{synced}" if self.micro_batches > 1 else ""
         clip = (

@@ -39,6 +39,7 @@ UNSUPPORTED = frozenset(
         "recv",
         "reduce",
         "monitored_barrier",
+        "reduce_scatter.premul_sum",
     }
 )
 

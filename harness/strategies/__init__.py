@@ -22,6 +22,7 @@ from harness.strategies.hsdp import (
     save_load_cases,
     sync_cases,
 )
+from harness.strategies.knobs import FSDP_LAYOUTS, KNOB_FAMILIES
 from harness.strategies.meshes import mesh_cases
 from harness.strategies.modules import (
     graph_cases,
@@ -59,6 +60,7 @@ from harness.strategies.programs import (
 )
 from harness.strategies.state_dict import (
     layout_meshes,
+    mid_step_cases,
     reshard_cases,
     resume_cases,
     state_dict_cases,
@@ -88,6 +90,8 @@ from harness.strategies.training import (
 
 __all__ = [
     "DTENSOR_UNSUPPORTED",
+    "FSDP_LAYOUTS",
+    "KNOB_FAMILIES",
     "MAX_MESH_NDIM",
     "MAX_SIDE",
     "class_counts",
@@ -115,6 +119,7 @@ __all__ = [
     "mesh_cases",
     "mesh_mlp_cases",
     "mesh_shapes",
+    "mid_step_cases",
     "mlp_cases",
     "module_graphs",
     "op_cases",

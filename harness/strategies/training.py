@@ -15,6 +15,7 @@ from harness.cases.training import (
     OPTIMIZERS,
     TP_LAYOUTS,
     JoinCase,
+    Knobs,
     MLPCase,
     OptimConfig,
     OverlapCase,
@@ -32,6 +33,8 @@ from harness.strategies._common import (
     shapes,
     takes_world_size,
 )
+from harness.strategies.knobs import FSDP_LAYOUTS, KNOB_FAMILIES, precisions, shard_size
+from harness.strategies.knobs import knobs as draw_knobs
 from harness.strategies.placements import placements
 from specs.chunking import shard_sizes
 
@@ -101,24 +104,34 @@ def optim_configs(
     unsupported: frozenset[tuple[str, str]] = frozenset(),
     stateful: bool = False,
     groups: bool = True,
+    flags: bool = False,
+    accelerator: bool = False,
 ) -> st.SearchStrategy[OptimConfig]:
     """SGD / Adam / AdamW with valid hyper-parameters, a default, foreach or fused
     implementation, sometimes a second parameter group with its own lr and weight decay, and
     sometimes a StepLR. ``unsupported`` lists ``(name, impl)`` pairs not to draw;
     ``stateful`` draws only optimizers that keep state (SGD with momentum);
-    ``groups=False`` never draws a second group or a scheduler."""
+    ``groups=False`` never draws a second group or a scheduler. ``flags=True`` also draws
+    Adam's ``capturable`` (fused kernels; every kernel if ``accelerator``: torch 2.13's
+    others refuse CPU tensors) and a tensor learning rate (not for foreach without
+    ``capturable``, which torch refuses)."""
     check_subset("names", names, OPTIMIZERS, non_empty=True)
     check_subset("impls", impls, IMPLEMENTATIONS, non_empty=True)
     pairs = tuple((n, i) for n in names for i in impls if (n, i) not in unsupported)
     leaves_one = "pairs that leave some optimizer of names × impls to draw"
     require(bool(pairs), "unsupported", sorted(unsupported), leaves_one)
-    return _optim_configs(pairs, stateful, groups)
+    return _optim_configs(pairs, stateful, groups, flags, accelerator)
 
 
 @cache
 @st.composite
 def _optim_configs(
-    draw: st.DrawFn, pairs: tuple[tuple[str, str], ...], stateful: bool, groups: bool
+    draw: st.DrawFn,
+    pairs: tuple[tuple[str, str], ...],
+    stateful: bool,
+    groups: bool,
+    flags: bool,
+    accelerator: bool,
 ) -> OptimConfig:
     name, impl = draw(sampled(pairs))
     lr = draw(sampled(_LRS))
@@ -127,7 +140,13 @@ def _optim_configs(
         second = (("lr", lr / 2), ("weight_decay", draw(sampled((0.0, 0.05)))))
     if groups:
         scheduler = draw(st.none() | st.tuples(sampled((1, 2)), sampled((0.5, 0.9))))
-    return OptimConfig(name, impl, lr, draw(_options(name, stateful)), second, scheduler)
+    options = draw(_options(name, stateful))
+    tensor_lr = False
+    if flags:
+        capturable = name != "SGD" and (impl == "fused" or accelerator) and draw(st.booleans())
+        options = (*options, ("capturable", True)) if capturable else options
+        tensor_lr = (impl != "foreach" or capturable) and draw(st.booleans())
+    return OptimConfig(name, impl, lr, options, second, scheduler, tensor_lr=tensor_lr)
 
 
 def parity_cases(
@@ -137,6 +156,12 @@ def parity_cases(
     unsupported: frozenset[tuple[str, str]] = frozenset(),
     mixed_precision: bool = False,
     variants: bool = False,
+    knobs: Sequence[str] = (),
+    focus: str | None = None,
+    premul_sum: bool = False,
+    one_rank_shard: bool = False,
+    optim_flags: bool = False,
+    accelerator: bool = False,
 ) -> st.SearchStrategy[ParityCase]:
     """A training run to compare under ``layout`` with one device.
 
@@ -147,18 +172,40 @@ def parity_cases(
     that separately). ``variants=True`` also draws 1 or 2 micro-batches per step
     (gradients accumulated without sync until the last, or synced after each), a
     ``clip_grad_norm_`` bound of the 2-, 1- or inf-norm and wrapper options (DDP bucketing;
-    ``fully_shard``'s ``reshard_after_forward``).
+    ``fully_shard``'s ``reshard_after_forward``). ``mixed_precision=True`` draws a
+    ``MixedPrecisionPolicy`` per module (``strategies.knobs.precisions``).
+
+    ``knobs`` names the families of ``strategies.knobs.KNOB_FAMILIES`` to draw (each
+    sometimes turned; ``focus`` always), for the layouts that call ``fully_shard``;
+    ``premul_sum=True`` draws a divide factor only torch's PreMulSum reduction serves;
+    ``one_rank_shard=True`` one on a shard group of one rank, reduced by sum then division
+    (``strategies.knobs.divides_twice``).
+    ``optim_flags=True`` also draws a tensor learning rate and ``capturable`` where torch
+    2.13 serves them (``capturable`` off the fused kernels only if ``accelerator``).
     """
     check_one_of("layout", layout, LAYOUTS)
+    why = "the one-device emulation of mixed precision averages each step's gradients once"
     if mixed_precision and variants:
-        why = "the one-device emulation of mixed precision averages each step's gradients once"
         fail("variants", variants, f"False with mixed_precision=True ({why}, unclipped)")
+    if mixed_precision and "micro_batching" in knobs:
+        fail("knobs", tuple(knobs), f"without 'micro_batching' when mixed_precision=True ({why})")
+    check_subset("knobs", knobs, KNOB_FAMILIES)
+    if focus is not None:
+        check_one_of("focus", focus, tuple(knobs))
+    if (knobs or premul_sum or one_rank_shard) and layout not in FSDP_LAYOUTS:
+        fail("layout", layout, f"one of {FSDP_LAYOUTS} when knobs are drawn")
     return _parity_cases(
         world_size,
         layout=layout,
         unsupported=unsupported,
         mixed_precision=mixed_precision,
         variants=variants,
+        knobs=tuple(knobs),
+        focus=focus,
+        premul_sum=premul_sum,
+        one_rank_shard=one_rank_shard,
+        optim_flags=optim_flags,
+        accelerator=accelerator,
     )
 
 
@@ -172,15 +219,38 @@ def _parity_cases(
     unsupported: frozenset[tuple[str, str]],
     mixed_precision: bool,
     variants: bool,
+    knobs: tuple[str, ...],
+    focus: str | None,
+    premul_sum: bool,
+    one_rank_shard: bool,
+    optim_flags: bool,
+    accelerator: bool,
 ) -> ParityCase:
-    mesh = _layout_mesh(draw, world_size, layout)
+    shard = "many" if premul_sum else ("one" if one_rank_shard else None)
+    mesh = _layout_mesh(draw, world_size, layout, shard)
     tp = mesh[-1] if layout in TP_LAYOUTS else 1
     n_layers = 2 if layout in TP_LAYOUTS else draw(st.integers(1, 3))
     dims = [draw(st.integers(1, 2 * world_size + 1)) for _ in range(n_layers + 1)]
     if layout in TP_LAYOUTS:
         dims[1] = tp * draw(st.integers(1, 3))
-    dtype = "float32" if mixed_precision else draw(sampled(("float64", "float32")))
+    mixed = mixed_precision or premul_sum
+    dtype = "float32" if mixed else draw(sampled(("float64", "float32")))
+    precision = draw(precisions(n_layers)) if mixed_precision else None
     micro_batches = draw(sampled((1, 2))) if variants else 1
+    turned = Knobs()
+    if knobs or premul_sum or one_rank_shard:
+        reduce_dtype = "float32" if precision else dtype
+        turned, knob_micro = draw_knobs(
+            draw,
+            layout=layout,
+            mesh=mesh,
+            families=knobs,
+            focus=focus,
+            reduce_dtype=reduce_dtype,
+            premul_sum=premul_sum,
+            one_rank_shard=one_rank_shard,
+        )
+        micro_batches = max(micro_batches, knob_micro)
     sync_each = micro_batches > 1 and draw(st.booleans())
     clip_norm = draw(sampled((None, 1.0, 0.05))) if variants else None
     clip_norm_type = 2.0
@@ -194,15 +264,18 @@ def _parity_cases(
         bias=draw(st.booleans()),
         batch_per_rank=micro_batches * draw(st.integers(1, 3)),
         dtype=dtype,
-        optim=draw(optim_configs(unsupported=unsupported)),
+        optim=draw(
+            optim_configs(unsupported=unsupported, flags=optim_flags, accelerator=accelerator)
+        ),
         steps=draw(st.integers(1, 5)),
-        mixed_precision=mixed_precision,
+        precision=precision,
         seed=draw(seeds()),
         micro_batches=micro_batches,
         sync_each_micro_batch=sync_each,
         clip_norm=clip_norm,
         clip_norm_type=clip_norm_type,
         wrapper_options=wrapper_options,
+        knobs=turned,
     )
 
 
@@ -233,12 +306,19 @@ def _wrapper_options(draw: st.DrawFn, layout: str) -> tuple[tuple[str, Any], ...
     return (("reshard_after_forward", draw(st.booleans())),)
 
 
-def _layout_mesh(draw: st.DrawFn, world_size: int, layout: str) -> tuple[int, ...]:
+def _layout_mesh(
+    draw: st.DrawFn, world_size: int, layout: str, shard: str | None = None
+) -> tuple[int, ...]:
+    """A mesh for ``layout``; ``shard="many"``: one whose shard axis has 2 ranks or more,
+    ``"one"``: 1 rank, where the world size allows."""
     if layout in ("hsdp", *TP_LAYOUTS):
         ndim = 3 if layout == "hsdp_tp" else 2
         shapes = [s for s in factorisations(world_size, ndim) if len(s) == ndim]
         if layout in TP_LAYOUTS:
             shapes = [s for s in shapes if s[-1] > 1] or shapes
+        if shard is not None:
+            many = shard == "many"
+            shapes = [s for s in shapes if (shard_size(layout, s) > 1) == many] or shapes
         return draw(sampled(tuple(shapes)))
     return (world_size,)
 

@@ -109,9 +109,14 @@ def check_backend(backend: str, device: str) -> None:
 
 
 def accelerator_type() -> str:
-    """The accelerator this torch sees (``cuda``, ``xpu``, ...); "cpu" when it has none."""
+    """The accelerator this torch sees (``cuda``, ``xpu``, ...); "cpu" when it has none.
+
+    A torch built for an accelerator names it even where no device of it is present
+    (torch 2.15's CUDA wheel on a CPU-only machine): availability decides."""
     current = torch.accelerator.current_accelerator()
-    return CPU if current is None else current.type
+    if current is None or not torch.accelerator.is_available():
+        return CPU
+    return current.type
 
 
 def current_device(device: torch.device) -> torch.device:

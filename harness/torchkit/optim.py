@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.cases.training import OptimConfig, ParityCase
+from harness.cases.training import OptimConfig, ParityCase, Precision
 from harness.torchkit import devices
 from harness.torchkit.dtensor import tensor_from, to_numpy
 from harness.torchkit.models import build_mlp
@@ -39,9 +39,17 @@ def _last_linear_prefix(named: Sequence[tuple[str, torch.Tensor]]) -> str:
     return last_weight.removesuffix("weight")
 
 
+def optimizer_kwargs(config: OptimConfig) -> dict[str, Any]:
+    """The constructor's keyword arguments, the lr a 0-d tensor where the config says so."""
+    kwargs = config.kwargs()
+    if config.tensor_lr:
+        kwargs["lr"] = torch.tensor(config.lr)
+    return kwargs
+
+
 def build_optimizer(config: OptimConfig, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
     cls = getattr(torch.optim, config.name)
-    optimizer: torch.optim.Optimizer = cls(groups, **config.kwargs())
+    optimizer: torch.optim.Optimizer = cls(groups, **optimizer_kwargs(config))
     return optimizer
 
 
@@ -93,7 +101,8 @@ def describe_reference(case: ParityCase) -> str:
 
 
 def reference_run(case: ParityCase) -> Trained:
-    """The same training on one device over the global batch (see the module docstring)."""
+    """The same training on one device over the global batch (see the module docstring);
+    gradients multiplied by ``case.gradient_scale`` (a divide factor's effect)."""
     device = reference_device()
     model = build_mlp(case, device)
     optimizer = build_optimizer(case.optim, param_groups(model, case.optim))
@@ -102,13 +111,14 @@ def reference_run(case: ParityCase) -> Trained:
     for step in range(case.steps):
         inputs, targets = step_batch(case, step)
         optimizer.zero_grad()
-        if case.mixed_precision:
+        if case.precision is not None:
             losses.append(_mixed_precision_grads(model, case, inputs, targets))
         else:
             x, y = tensor_from(inputs, case.dtype, device), tensor_from(targets, case.dtype, device)
             loss = loss_of(model(x), y)
             loss.backward()  # type: ignore[no-untyped-call]
             losses.append(loss.item())
+        _scale_grads(model, case.gradient_scale)
         if case.clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(
                 model.parameters(), case.clip_norm, norm_type=case.clip_norm_type
@@ -119,31 +129,56 @@ def reference_run(case: ParityCase) -> Trained:
     return Trained(tuple(losses), {n: to_numpy(p) for n, p in model.named_parameters()})
 
 
+def _scale_grads(model: nn.Module, scale: float) -> None:
+    if scale != 1.0:
+        for param in model.parameters():
+            assert param.grad is not None
+            param.grad.mul_(scale)
+
+
 def _mixed_precision_grads(
     model: nn.Module, case: ParityCase, inputs: np.ndarray, targets: np.ndarray
 ) -> float:
-    """What FSDP's bf16-param/fp32-reduce policy computes, on one device: each
-    data-parallel rank's forward and backward in bfloat16 on a bfloat16 copy of the
-    parameters, its gradients averaged across ranks in float32 onto the float32 parameters.
-    Returns the mean of the ranks' losses (as the driver averages the ranks' own)."""
+    """What FSDP's mixed-precision policies compute, on one device: each data-parallel
+    rank's forward and backward on a copy of the parameters, each Linear in its own compute
+    dtype (casting its input to it), the model's inputs cast to the root's dtype and its
+    output to the root's output dtype; the gradients averaged across ranks in the reduce
+    dtype onto the parameters. Returns the mean of the ranks' losses (as the driver
+    averages the ranks' own)."""
+    precision = case.precision
+    assert precision is not None
     device = next(model.parameters()).device
     total: torch.Tensor | None = None
     losses = []
     for dp_rank in range(case.data_parallel):
         replica = build_mlp(case, device)
         replica.load_state_dict(model.state_dict())
-        replica.to(torch.bfloat16)
         rows = rows_of(case, dp_rank)
-        x = tensor_from(inputs[rows], "bfloat16", device)
-        y = tensor_from(targets[rows], "bfloat16", device)
-        loss = loss_of(replica(x), y)
+        output = _cast_forward(replica, precision, tensor_from(inputs[rows], case.dtype, device))
+        loss = loss_of(output, tensor_from(targets[rows], case.dtype, device))
         loss.backward()  # type: ignore[no-untyped-call]
-        grads = torch.cat([p.grad.float().flatten() for p in replica.parameters()])  # type: ignore[union-attr]
+        reduce_dtype = getattr(torch, precision.reduce_dtype)
+        grads = torch.cat([p.grad.to(reduce_dtype).flatten() for p in replica.parameters()])  # type: ignore[union-attr]
         total = grads if total is None else total + grads
         losses.append(loss.item())
     assert total is not None
     _set_flat_grads(model, total / case.data_parallel)
     return sum(losses) / len(losses)
+
+
+def _cast_forward(replica: nn.Module, precision: Precision, x: torch.Tensor) -> torch.Tensor:
+    if precision.root_dtype is not None:
+        x = x.to(getattr(torch, precision.root_dtype))
+    dtypes = iter(precision.layer_dtypes)
+    for layer in replica.children():
+        if isinstance(layer, nn.Linear):
+            dtype = getattr(torch, next(dtypes))
+            layer.to(dtype)
+            x = x.to(dtype)
+        x = layer(x)
+    if precision.output_dtype is not None:
+        x = x.to(getattr(torch, precision.output_dtype))
+    return x
 
 
 def _set_flat_grads(model: nn.Module, flat: torch.Tensor) -> None:
@@ -154,7 +189,12 @@ def _set_flat_grads(model: nn.Module, flat: torch.Tensor) -> None:
         offset += count
 
 
+CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
+"""What ``checkpoint_wrapper`` puts into the names of the parameters it wraps."""
+
+
 def named_full_params(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Parameters by the unsharded model's names (DDP's ``module.`` prefix removed)."""
+    """Parameters by the unsharded model's names (DDP's ``module.`` prefix and
+    ``checkpoint_wrapper``'s removed)."""
     for name, param in model.named_parameters():
-        yield name.removeprefix("module."), param
+        yield name.removeprefix("module.").replace(CHECKPOINT_PREFIX, ""), param

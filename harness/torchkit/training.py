@@ -8,14 +8,13 @@ batch. ``parallelize`` applies a case's layout (DDP, ZeRO, fully_shard, HSDP, FS
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -24,15 +23,25 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
+from harness.cases.meshes import MeshCase
 from harness.cases.training import TP_LAYOUTS, ParityCase
 from harness.torchkit.context import RankContext
 from harness.torchkit.dtensor import full_array, tensor_from
+from harness.torchkit.fsdp_knobs import (
+    after_step,
+    checkpointed,
+    layer_policies,
+    micro_batch,
+    root_policy,
+    set_knobs,
+)
 from harness.torchkit.optim import (
     Trained,
     build_optimizer,
     build_scheduler,
     loss_of,
     named_full_params,
+    optimizer_kwargs,
     param_groups,
     rows_of,
     step_batch,
@@ -86,7 +95,7 @@ def train_step(
     total = 0.0
     parts = np.array_split(np.arange(rows.start, rows.stop), case.micro_batches)
     for number, part in enumerate(parts):
-        with _gradient_sync(wrapped, case.sync_each_micro_batch or number == len(parts) - 1):
+        with micro_batch(wrapped, case, last=number == len(parts) - 1):
             # equal parts: the mean of the parts' means is the mean over the rows
             loss = loss_of(
                 wrapped(tensor_from(inputs[part], case.dtype, device)),
@@ -99,21 +108,8 @@ def train_step(
             wrapped.parameters(), case.clip_norm, norm_type=case.clip_norm_type
         )
     optimizer.step()
+    after_step(wrapped, case)
     return total
-
-
-@contextlib.contextmanager
-def _gradient_sync(wrapped: nn.Module, enabled: bool) -> Iterator[None]:
-    """Within it, fully_shard and DDP modules sync gradients across data-parallel ranks only
-    if ``enabled`` (anything else syncs every time, which sums the same gradients)."""
-    if isinstance(wrapped, FSDPModule):
-        wrapped.set_requires_gradient_sync(enabled)
-        yield
-    elif isinstance(wrapped, DistributedDataParallel) and not enabled:
-        with wrapped.no_sync():
-            yield
-    else:
-        yield
 
 
 def parallelize(
@@ -129,7 +125,13 @@ def parallelize(
     if case.layout in TP_LAYOUTS:
         return model, _tensor_parallel(model, case, ctx, fsdp_options)
     names = ("replicate", "shard") if case.layout == "hsdp" else None
-    _fully_shard(model, case, ctx.mesh(case.mesh_shape, names), fsdp_options)
+    flatten = case.knobs.flatten
+    mesh = (
+        ctx.mesh_of(MeshCase(parent=flatten, how="flattened", axes=(0, 1)))
+        if flatten is not None
+        else ctx.mesh(case.mesh_shape, names)
+    )
+    _fully_shard(model, case, mesh, fsdp_options)
     return model, ctx.rank
 
 
@@ -161,16 +163,16 @@ def _tensor_parallel(
 def _fully_shard(
     model: nn.Sequential, case: ParityCase, mesh: Any, options: dict[str, Any]
 ) -> None:
-    policy = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if case.mixed_precision
-        else MixedPrecisionPolicy()
-    )
+    """Each Linear (checkpointed when the case says so), then the root, with the case's
+    policies, options and knobs."""
     options = {**dict(case.wrapper_options), **options}
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh, mp_policy=policy, **options)
-    fully_shard(model, mesh=mesh, mp_policy=policy, **options)
+    if case.knobs.reshard_to is not None:
+        options["reshard_after_forward"] = case.knobs.reshard_to
+    layers = checkpointed(model, case.knobs)
+    for layer, policy in zip(layers, layer_policies(case, len(layers)), strict=True):
+        fully_shard(layer, mesh=mesh, mp_policy=policy, **options)
+    fully_shard(model, mesh=mesh, mp_policy=root_policy(case), **options)
+    set_knobs(model, layers, case.knobs)
 
 
 def optimizer_for(model: nn.Module, case: ParityCase) -> Any:
@@ -179,7 +181,8 @@ def optimizer_for(model: nn.Module, case: ParityCase) -> Any:
     if case.layout != "zero":
         return build_optimizer(case.optim, groups)
     optimizer_class = getattr(torch.optim, case.optim.name)
-    return ZeroRedundancyOptimizer(groups, optimizer_class=optimizer_class, **case.optim.kwargs())
+    kwargs = optimizer_kwargs(case.optim)
+    return ZeroRedundancyOptimizer(groups, optimizer_class=optimizer_class, **kwargs)
 
 
 def data_parallel_ranks(case: ParityCase) -> list[int]:

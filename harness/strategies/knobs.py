@@ -1,0 +1,176 @@
+"""Strategies for the FSDP2 controls real training turns (``harness.cases.training.Knobs``)
+and ``MixedPrecisionPolicy`` per module (``Precision``), valid by construction for a layout,
+its mesh and its model."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from hypothesis import strategies as st
+
+from harness.cases.training import PRECISION_DTYPES, Knobs, Precision
+from harness.errors import check_one_of, check_subset
+from harness.strategies._common import factorisations, sampled
+
+KNOB_FAMILIES = ("divide_factor", "micro_batching", "resharding", "checkpoint")
+"""``divide_factor``: a gradient divide factor, sum-only collectives, HSDP's mesh flattened
+for fsdp; ``micro_batching``: 2-3 micro-batches with all-reduce, resharding and the last
+backward held or marked; ``resharding``: reshard to a smaller group, explicit unshard and
+prefetching; ``checkpoint``: activation checkpointing of every Linear."""
+
+FSDP_LAYOUTS = ("fsdp", "hsdp", "fsdp_tp", "hsdp_tp")
+"""Layouts that call ``fully_shard``: the ones knobs apply to."""
+
+
+def shard_size(layout: str, mesh: tuple[int, ...]) -> int:
+    """Ranks of the axis ``fully_shard`` shards over (its reduce-scatter group)."""
+    check_one_of("layout", layout, FSDP_LAYOUTS)
+    if layout == "fsdp":
+        return mesh[0]
+    return mesh[0] if layout == "fsdp_tp" else mesh[1]
+
+
+def uses_premul_sum(knobs: Knobs, layout: str, mesh: tuple[int, ...], reduce_dtype: str) -> bool:
+    """Whether torch 2.13's ``fully_shard`` reduce-scatters these gradients with NCCL's
+    PreMulSum: a float32/bfloat16 reduction, a divide factor other than the shard group's
+    size, sums not forced (``_fsdp_collectives._get_gradient_divide_factors``)."""
+    factor = knobs.divide_factor
+    size = shard_size(layout, mesh)
+    return (
+        factor is not None
+        and size > 1
+        and reduce_dtype in ("float32", "bfloat16")
+        and not knobs.force_sum_reduction
+        and factor != size
+    )
+
+
+def divides_twice(knobs: Knobs, layout: str, mesh: tuple[int, ...], reduce_dtype: str) -> bool:
+    """Whether torch 2.13's ``fully_shard`` divides these gradients by the factor twice: a
+    shard group of one rank (``foreach_reduce`` divides while it copies instead of
+    reduce-scattering) and a reduction that sums then divides again (sums forced, or a
+    reduce dtype other than float32/bfloat16). Spec optim.knobs.divide_factor_one_rank_shard
+    checks that path on its own."""
+    factor = knobs.divide_factor
+    sums = knobs.force_sum_reduction or reduce_dtype not in ("float32", "bfloat16")
+    return factor not in (None, 1.0) and shard_size(layout, mesh) == 1 and sums
+
+
+def knobs(
+    draw: st.DrawFn,
+    *,
+    layout: str,
+    mesh: tuple[int, ...],
+    families: Sequence[str],
+    focus: str | None,
+    reduce_dtype: str,
+    premul_sum: bool = False,
+    one_rank_shard: bool = False,
+) -> tuple[Knobs, int]:
+    """Knobs of ``families`` for ``layout`` on ``mesh``, each family sometimes turned and
+    ``focus`` always; and the micro-batches per step (1 unless micro-batching is turned).
+
+    A divide factor is drawn with sum-only collectives where it would otherwise need
+    PreMulSum (``uses_premul_sum``), unless ``premul_sum``, which draws exactly that path;
+    and never where it ``divides_twice``, unless ``one_rank_shard``, which draws exactly
+    that path (on a mesh whose shard group has one rank)."""
+    check_subset("families", families, KNOB_FAMILIES)
+    check_one_of("layout", layout, FSDP_LAYOUTS)
+    if focus is not None:
+        check_one_of("focus", focus, tuple(families))
+    turned = {f for f in families if f == focus or draw(st.booleans())}
+    chosen = Knobs()
+    if one_rank_shard:
+        chosen = _divided_twice(draw, layout, mesh, reduce_dtype)
+    elif "divide_factor" in turned or premul_sum:
+        chosen = _divide_factor(draw, chosen, layout, mesh, reduce_dtype, premul_sum)
+    micro_batches = 1
+    if "micro_batching" in turned:
+        chosen, micro_batches = _micro_batching(draw, chosen, layout)
+    if "resharding" in turned:
+        chosen = _resharding(draw, chosen, layout, mesh)
+    if "checkpoint" in turned:
+        chosen = replace(chosen, checkpoint=True)
+    return chosen, micro_batches
+
+
+def _data_parallel(layout: str, mesh: tuple[int, ...]) -> int:
+    """Ranks that see different data: every mesh axis but TP's."""
+    if layout in ("hsdp", "hsdp_tp"):
+        return mesh[0] * mesh[1]
+    return mesh[0]
+
+
+def _divide_factor(
+    draw: st.DrawFn,
+    chosen: Knobs,
+    layout: str,
+    mesh: tuple[int, ...],
+    reduce_dtype: str,
+    premul_sum: bool,
+) -> Knobs:
+    dp, size = _data_parallel(layout, mesh), shard_size(layout, mesh)
+    factors: tuple[float, ...] = (float(dp), float(size), 2.0 * dp, dp / 2, 1.0, 3.0)
+    if premul_sum:
+        factors = tuple(f for f in factors if f != size) or (size + 1.0,)
+    chosen = replace(
+        chosen,
+        divide_factor=draw(sampled(factors)),
+        deprecated_spelling=draw(st.booleans()),
+        force_sum_reduction=not premul_sum and draw(st.booleans()),
+    )
+    if not premul_sum and uses_premul_sum(chosen, layout, mesh, reduce_dtype):
+        chosen = replace(chosen, force_sum_reduction=True)
+    if divides_twice(chosen, layout, mesh, reduce_dtype):
+        chosen = replace(chosen, force_sum_reduction=False)
+    if divides_twice(chosen, layout, mesh, reduce_dtype):
+        chosen = replace(chosen, divide_factor=None, deprecated_spelling=False)
+    if layout == "fsdp" and mesh[0] > 1 and draw(st.booleans()):
+        pairs = [s for s in factorisations(mesh[0], 2) if len(s) == 2]
+        a, b = draw(sampled(tuple(pairs)))
+        chosen = replace(chosen, flatten=(a, b))
+    return chosen
+
+
+def _divided_twice(draw: st.DrawFn, layout: str, mesh: tuple[int, ...], reduce_dtype: str) -> Knobs:
+    dp = _data_parallel(layout, mesh)
+    chosen = Knobs(
+        divide_factor=draw(sampled(tuple({2.0 * dp, dp / 2, 3.0} - {1.0}))),
+        force_sum_reduction=reduce_dtype in ("float32", "bfloat16") or draw(st.booleans()),
+    )
+    assert divides_twice(chosen, layout, mesh, reduce_dtype), (chosen, layout, mesh)
+    return chosen
+
+
+def _micro_batching(draw: st.DrawFn, chosen: Knobs, layout: str) -> tuple[Knobs, int]:
+    hsdp = layout in ("hsdp", "hsdp_tp")
+    chosen = replace(
+        chosen,
+        hold_all_reduce=hsdp and draw(st.booleans()),
+        hold_reshard=draw(st.booleans()),
+        mark_last_backward=draw(st.booleans()),
+    )
+    return chosen, draw(st.integers(2, 3))
+
+
+def _resharding(draw: st.DrawFn, chosen: Knobs, layout: str, mesh: tuple[int, ...]) -> Knobs:
+    size = shard_size(layout, mesh)
+    smaller = tuple(d for d in range(2, size) if size % d == 0)
+    return replace(
+        chosen,
+        reshard_to=draw(st.none() | sampled(smaller)) if smaller else None,
+        explicit_unshard=draw(st.booleans()),
+        prefetch=draw(st.integers(0, 2)),
+    )
+
+
+@st.composite
+def precisions(draw: st.DrawFn, layers: int) -> Precision:
+    """A policy per Linear (bfloat16 or float32 compute), the root's (casting the inputs to
+    bfloat16, or nothing), float32 reduction, sometimes a float32 or bfloat16 output."""
+    return Precision(
+        layer_dtypes=tuple(draw(sampled(PRECISION_DTYPES)) for _ in range(layers)),
+        root_dtype=draw(sampled((None, "bfloat16"))),
+        output_dtype=draw(sampled((None, *PRECISION_DTYPES))),
+    )

@@ -1,0 +1,138 @@
+"""The FSDP2 controls a case turns (``harness.cases.training.Knobs``) and its mixed-precision
+policies (``Precision``), applied to a model ``harness.torchkit.training`` shards."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.nn.parallel import DistributedDataParallel
+
+from harness.cases.training import Knobs, ParityCase, Precision
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name)
+    assert isinstance(dtype, torch.dtype), name
+    return dtype
+
+
+def checkpointed(model: nn.Sequential, knobs: Knobs) -> list[nn.Module]:
+    """The modules ``fully_shard`` wraps one by one (each Linear, in ``checkpoint_wrapper``
+    when ``knobs.checkpoint``), in model order; wrapping replaces them in ``model``."""
+    layers = []
+    for index, layer in enumerate(model):
+        if not isinstance(layer, nn.Linear):
+            continue
+        if knobs.checkpoint:
+            layer = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            model[index] = layer
+        layers.append(layer)
+    return layers
+
+
+def layer_policies(case: ParityCase, count: int) -> list[MixedPrecisionPolicy]:
+    """Each Linear's policy: its own compute dtype, float32 reduction."""
+    precision = case.precision
+    if precision is None:
+        return [MixedPrecisionPolicy()] * count
+    return [_policy(dtype, precision) for dtype in precision.layer_dtypes]
+
+
+def root_policy(case: ParityCase) -> MixedPrecisionPolicy:
+    """The root's policy: it casts the model's inputs and its output."""
+    precision = case.precision
+    if precision is None:
+        return MixedPrecisionPolicy()
+    output = precision.output_dtype
+    return MixedPrecisionPolicy(
+        param_dtype=None if precision.root_dtype is None else torch_dtype(precision.root_dtype),
+        reduce_dtype=torch_dtype(precision.reduce_dtype),
+        output_dtype=None if output is None else torch_dtype(output),
+    )
+
+
+def _policy(dtype: str, precision: Precision) -> MixedPrecisionPolicy:
+    return MixedPrecisionPolicy(
+        param_dtype=torch_dtype(dtype), reduce_dtype=torch_dtype(precision.reduce_dtype)
+    )
+
+
+def set_knobs(root: nn.Module, layers: list[nn.Module], knobs: Knobs) -> None:
+    """Every ``fully_shard`` module's gradient scaling, and the layers' prefetching."""
+    for module in _fsdp_modules(root):
+        if knobs.divide_factor is not None:
+            if knobs.deprecated_spelling:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)
+                    module.set_reduce_scatter_divide_factor(knobs.divide_factor)
+            else:
+                module.set_gradient_divide_factor(knobs.divide_factor)
+        if knobs.force_sum_reduction:
+            module.set_force_sum_reduction_for_comms(True)
+    if knobs.prefetch:
+        _set_prefetch([_as_fsdp(layer) for layer in layers], knobs.prefetch)
+
+
+def _set_prefetch(layers: list[FSDPModule], count: int) -> None:
+    for index, layer in enumerate(layers):
+        layer.set_modules_to_forward_prefetch(layers[index + 1 : index + 1 + count])
+        layer.set_modules_to_backward_prefetch(layers[max(0, index - count) : index][::-1])
+
+
+@contextlib.contextmanager
+def micro_batch(wrapped: nn.Module, case: ParityCase, last: bool) -> Iterator[None]:
+    """One micro-batch's forward and backward: fully_shard and DDP modules sync gradients
+    across data-parallel ranks only on the ``last`` (or on each, if the case says so), and
+    hold or mark what the case's knobs say (anything else syncs every time, which sums the
+    same gradients)."""
+    sync = case.sync_each_micro_batch or last
+    if isinstance(wrapped, FSDPModule):
+        knobs = case.knobs
+        wrapped.set_requires_gradient_sync(sync)
+        if knobs.hold_all_reduce:
+            wrapped.set_requires_all_reduce(last)
+        if knobs.hold_reshard:
+            wrapped.set_reshard_after_backward(last)
+        if knobs.mark_last_backward:
+            wrapped.set_is_last_backward(last)
+        if knobs.explicit_unshard:
+            _unshard_all(wrapped)
+        yield
+    elif isinstance(wrapped, DistributedDataParallel) and not sync:
+        with wrapped.no_sync():
+            yield
+    else:
+        yield
+
+
+def after_step(wrapped: nn.Module, case: ParityCase) -> None:
+    """``reshard()`` every module after the optimizer step when the case unshards them."""
+    if case.knobs.explicit_unshard and isinstance(wrapped, FSDPModule):
+        for module in _fsdp_modules(wrapped):
+            module.reshard()
+
+
+def _unshard_all(root: nn.Module) -> None:
+    handles = [module.unshard(async_op=True) for module in _fsdp_modules(root)]
+    for handle in handles:
+        if handle is not None:
+            handle.wait()
+
+
+def _fsdp_modules(root: nn.Module) -> list[FSDPModule]:
+    return [module for module in root.modules() if isinstance(module, FSDPModule)]
+
+
+def _as_fsdp(module: Any) -> FSDPModule:
+    assert isinstance(module, FSDPModule), type(module)
+    return module
