@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from harness import World, parity
 from harness.cases.training import ParityCase
-from harness.parity import assert_array_equal, assert_close
+from harness.parity import assert_array_equal, assert_close, assert_equal_values
 from harness.profiles import costly, property_settings
 from harness.strategies import (
     DTENSOR_UNSUPPORTED,
@@ -21,10 +21,12 @@ from harness.strategies import (
     parity_cases,
     step_cases,
 )
-from harness.torchkit.optim import describe_reference, reference_run
+from harness.torchkit.optim import describe_reference, reference_device, reference_run
 from suites.checks.training import (
     assert_trained_like,
     ddp_forward_buffers_on_rank,
+    differentiable_steps_on_rank,
+    differentiable_steps_reference,
     step_model,
     step_on_rank,
     train_on_rank,
@@ -334,3 +336,48 @@ def test_optimizer_steps_match_the_spec_model(world: World, data: st.DataObject)
                 why="torch rounds intermediates where the float64 model does not",
                 record_as=f"param/{case.dtype}",
             )
+
+
+def describe_step_reference() -> str:
+    return f"{reference_device().type}: torch.optim on plain tensors"
+
+
+# DTensor runs the same elementwise kernels on each piece as one device on the whole, and the
+# loss's sum only feeds gradients that are elementwise too: measured equal to the bit; a
+# tolerance of a few ulps leaves room for a decomposition that rounds once more.
+DIFFERENTIABLE_TOLERANCE = {"float64": (1e-13, 1e-15), "float32": (1e-6, 1e-7)}
+DIFFERENTIABLE_WHY = "a decomposed kernel may round once more than the fused one"
+# Autograd through DTensor optimizer steps: about 0.4 s an example at world size 4.
+DIFFERENTIABLE = costly(4)
+
+
+@pytest.mark.spec("optim.step.differentiable")
+@DIFFERENTIABLE
+@given(data=st.data())
+def test_differentiable_steps_on_dtensors_match_one_device(
+    world: World, data: st.DataObject
+) -> None:
+    case = data.draw(step_cases(world.world_size, differentiable=True), label="case")
+    parity.attach(case.call())
+    expected = differentiable_steps_reference(case)
+    parity.note_reference(f"{describe_step_reference()}: the same differentiable steps")
+    gathered = world.run(differentiable_steps_on_rank, case)
+    rtol, atol = DIFFERENTIABLE_TOLERANCE[case.dtype]
+    for rank, got in enumerate(gathered):
+        for kind in ("params", "param_grads", "grad_grads"):
+            pairs = zip(getattr(got, kind), getattr(expected, kind), strict=True)
+            for index, (value, want) in enumerate(pairs):
+                what = f"{kind}[{index}] on rank {rank}"
+                # torch's SGD detaches its first momentum buffer: no gradient, on one device too
+                assert_equal_values(value is None, want is None, what=f"{what} is None")
+                if value is not None:
+                    assert_close(
+                        value,
+                        want,
+                        rtol=rtol,
+                        atol=atol,
+                        dtype=case.dtype,
+                        what=what,
+                        why=DIFFERENTIABLE_WHY,
+                        record_as=f"{kind}/{case.dtype}",
+                    )

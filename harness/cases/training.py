@@ -252,6 +252,15 @@ class StepCase:
     optim: OptimConfig
     steps: int
     seed: int
+    differentiable: bool = False
+    """``differentiable=True``: the parameters are clones of leaves and the gradients clones
+    of leaves too, the steps recorded by autograd; afterwards the sum of the parameters
+    weighted by ``weights()`` is differentiated back to both leaves."""
+
+    def weights(self) -> list[np.ndarray]:
+        """The weights of the loss a differentiable run back-propagates."""
+        rng = np.random.default_rng([self.seed, 0, 1])
+        return [self._rounded(rng.uniform(-1.0, 1.0, size=shape)) for shape in self.shapes]
 
     def params(self) -> list[np.ndarray]:
         """The initial parameters, rounded to ``dtype`` and held in float64."""
@@ -272,9 +281,12 @@ class StepCase:
             if self.placements is None
             else f"DTensors on mesh {self.mesh_shape} with placements {list(self.placements)}"
         )
+        differentiable = ", differentiable=True, backward to params and grads" * bool(
+            self.differentiable
+        )
         return (
-            f"{self.steps} step(s) of {self.optim.describe()} on {self.dtype} params "
-            f"{list(self.shapes)} as {layout}"
+            f"{self.steps} step(s) of {self.optim.describe()}{differentiable} on {self.dtype} "
+            f"params {list(self.shapes)} as {layout}"
         )
 
 

@@ -4,11 +4,12 @@ assertions that compare them with the single-device reference."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from harness import RankContext
 from harness.cases.training import ParityCase, StepCase
@@ -18,6 +19,7 @@ from harness.torchkit.models import Centering, build_centered_mlp, build_mlp
 from harness.torchkit.optim import (
     Trained,
     build_optimizer,
+    reference_device,
 )
 from harness.torchkit.training import (
     data_parallel_ranks,
@@ -154,6 +156,62 @@ def step_on_rank(ctx: RankContext, case: StepCase) -> list[np.ndarray]:
             param.grad = _laid_out(ctx, case, i, grad)
         optimizer.step()
     return [full_array(p) for p in params]
+
+
+@dataclass(frozen=True)
+class Differentiated:
+    """A differentiable run's parameters after its steps, and the gradient of its loss with
+    respect to the initial parameters and to the first step's gradients."""
+
+    params: list[np.ndarray]
+    param_grads: list[np.ndarray | None]
+    grad_grads: list[np.ndarray | None]
+
+
+def differentiable_steps_on_rank(ctx: RankContext, case: StepCase) -> Differentiated:
+    """``case.steps`` differentiable steps on DTensor parameters (every result whole: a
+    collective per DTensor)."""
+    return _differentiable_steps(case, lambda i, a: _laid_out(ctx, case, i, a))
+
+
+def differentiable_steps_reference(case: StepCase) -> Differentiated:
+    """The same steps on one device (the accelerator when present)."""
+    device = reference_device()
+    return _differentiable_steps(case, lambda i, a: tensor_from(a, case.dtype, device))
+
+
+def _differentiable_steps(
+    case: StepCase, make: Callable[[int, np.ndarray], torch.Tensor]
+) -> Differentiated:
+    leaves = [make(i, a).requires_grad_() for i, a in enumerate(case.params())]
+    params = [leaf.clone() for leaf in leaves]
+    optimizer = build_optimizer(case.optim, [{"params": params}])
+    first_grads: list[torch.Tensor] = []
+    for step in range(case.steps):
+        for i, (param, grad) in enumerate(zip(params, case.grads(step), strict=True)):
+            leaf = make(i, grad).requires_grad_()
+            first_grads += [leaf] if step == 0 else []
+            param.grad = leaf.clone()
+        optimizer.step()
+    weights = case.weights()
+    weighted = [(p * make(i, weights[i])).sum() for i, p in enumerate(params)]
+    loss = torch.stack([_whole(term) for term in weighted]).sum()
+    loss.backward()
+    return Differentiated(
+        params=[full_array(p.detach()) for p in params],
+        param_grads=[_grad(leaf) for leaf in leaves],
+        grad_grads=[_grad(leaf) for leaf in first_grads],
+    )
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _grad(leaf: torch.Tensor) -> np.ndarray | None:
+    """The leaf's whole gradient (a collective per DTensor), None where autograd gave none
+    (torch's SGD detaches the first momentum buffer from the first gradient)."""
+    return None if leaf.grad is None else full_array(leaf.grad)
 
 
 def step_model(case: StepCase) -> list[np.ndarray]:
