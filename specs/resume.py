@@ -108,3 +108,48 @@ def step_after(start: int, actions: tuple[tuple[str, int], ...]) -> int:
     phases, _ = plan(start, actions)
     last = phases[-1]
     return last.actions[-1].steps[1] if last.actions else last.first_step
+
+
+# --- a state dict taken inside a training step ------------------------------------------------
+
+MID_STEP_POINTS = ("between_steps", "after_zero_grad", "after_forward", "after_backward")
+"""Where in step ``s`` (``zero_grad(); loss = loss_fn(model(x_s)); loss.backward();
+optimizer.step()``) a state dict is taken: before its ``zero_grad`` (the gradients of step
+``s - 1`` still held), after it, after the forward (the activations held; parameters left
+unsharded by ``reshard_after_forward=False``), after the backward (gradients held, the
+optimizer not yet stepped). After ``step()`` is between steps ``s`` and ``s + 1``."""
+
+
+def resume_step(step: int, point: str) -> int:
+    """The first step a run resumed from a state dict taken at ``point`` of ``step`` runs:
+    ``step`` itself, whole. A state dict holds parameters, buffers and optimizer state,
+    never gradients or activations, and at every point the optimizer has yet to take the
+    step: what the step did before the point is lost and done again, on the same batch
+    (``zero_grad`` of a fresh optimizer finds nothing to clear)."""
+    check_int("step", step, 0)
+    check_one_of("point", point, MID_STEP_POINTS)
+    return step
+
+
+def optimizer_is_empty(step: int, point: str) -> bool:
+    """Whether the optimizer holds no state at ``point`` of ``step``: it has never stepped
+    (step 0). SGD with momentum, Adam and AdamW create their state in their first ``step()``."""
+    resume_step(step, point)
+    return step == 0
+
+
+def gradients_held(step: int, point: str, *, set_to_none: bool = True) -> bool:
+    """Whether parameters hold gradients at ``point`` of ``step``: after the backward, and
+    once a backward has run (step 1 on) before ``zero_grad`` or, when ``zero_grad`` keeps
+    them as zeros (``set_to_none=False``), at every point."""
+    resume_step(step, point)
+    kept = point == "between_steps" or not set_to_none
+    return point == "after_backward" or (step > 0 and kept)
+
+
+def initialises_optimizer(step: int, point: str) -> bool:
+    """Whether taking the optimizer state dict at ``point`` of ``step`` makes
+    ``torch.distributed.checkpoint.state_dict`` create the optimizer's state with a zero-lr
+    step (``_init_optim_state``: no state and no gradients), the known deviation of spec
+    state_dict.optim.get_has_no_side_effect."""
+    return optimizer_is_empty(step, point) and not gradients_held(step, point)

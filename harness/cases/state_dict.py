@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from harness.cases.modules import GraphCase
 from harness.cases.training import ParityCase
-from harness.errors import check_one_of, fail, require
+from harness.errors import check_int, check_one_of, fail, require
+from specs.resume import MID_STEP_POINTS
 
 SHARDED_LAYOUTS = ("fsdp", "hsdp", "fsdp_tp", "hsdp_tp")
 
@@ -92,3 +94,57 @@ class ResumeCase:
         steps = " ".join(f"{a}({n})" if a in ("train", "resize") else a for a, n in self.actions)
         meshes = ", ".join(f"{n}: {layout}{mesh}" for n, layout, mesh in self.layouts)
         return f"{self.base.call()}; start at {self.start} rank(s): {steps} [{meshes}]"
+
+
+MID_STEP_OPTIMIZERS = ("SGD", "Adam", "AdamW")
+"""Optimizers that keep state: SGD always with momentum 0.9."""
+MID_STEP_VIAS = ("memory", "dcp")
+"""How a mid-step state dict reaches the fresh model: ``set_state_dict`` of a copy taken in
+memory, or ``dcp.save`` then ``dcp.load`` into the fresh model's own state dict."""
+
+
+@dataclass(frozen=True)
+class MidStepCase:
+    """A module graph's ``fully_shard`` plan (``graph``: nodes, ties, wraps, width, seed,
+    ``steps`` steps of ``batch_per_rank`` rows per rank, ``lr``) on a 1-D mesh or a
+    (replicate, shard) one (HSDP), trained by ``optimizer``; a model and optimizer state
+    dict taken at ``point`` of step ``at_step`` and resumed from in a fresh model."""
+
+    graph: GraphCase
+    optimizer: str
+    weight_decay: float
+    mesh_shape: tuple[int, ...]
+    reshard_after_forward: bool | int | None
+    """None: torch's default; an int: the ranks to reshard to after forward (a factor of
+    the shard axis), as ``StateDictCase.reshard_after_forward``."""
+    set_to_none: bool
+    """``zero_grad(set_to_none=...)``: False keeps zero gradients between steps."""
+    at_step: int
+    point: str
+    via: str
+
+    def __post_init__(self) -> None:
+        check_one_of("optimizer", self.optimizer, MID_STEP_OPTIMIZERS)
+        check_one_of("point", self.point, MID_STEP_POINTS)
+        check_one_of("via", self.via, MID_STEP_VIAS)
+        require(len(self.mesh_shape) in (1, 2), "mesh_shape", self.mesh_shape, "1-D or 2-D")
+        check_int("at_step", self.at_step, 0)
+        require(self.at_step < self.graph.steps, "at_step", self.at_step, "below graph.steps")
+
+    @property
+    def optimizer_options(self) -> tuple[tuple[str, float], ...]:
+        """The optimizer's keyword arguments beside its parameters."""
+        momentum = (("momentum", 0.9),) if self.optimizer == "SGD" else ()
+        return (("lr", self.graph.lr), *momentum, ("weight_decay", self.weight_decay))
+
+    def call(self) -> str:
+        graph = self.graph
+        options = ", ".join(f"{k}={v}" for k, v in self.optimizer_options)
+        mesh = f"HSDP mesh {self.mesh_shape}" if len(self.mesh_shape) == 2 else "1-D mesh"
+        return (
+            f"{graph.graph.describe()}, width {graph.width}, batch {graph.batch_per_rank}/rank; "
+            f"fully_shard({mesh}, reshard_after_forward={self.reshard_after_forward}); "
+            f"{graph.steps} step(s) of {self.optimizer}({options}), "
+            f"zero_grad(set_to_none={self.set_to_none}); state dict at step {self.at_step} "
+            f"{self.point}, via {self.via}"
+        )

@@ -8,12 +8,26 @@ from dataclasses import replace
 
 from hypothesis import strategies as st
 
-from harness.cases.state_dict import SHARDED_LAYOUTS, ReshardCase, ResumeCase, StateDictCase
+from harness.cases.state_dict import (
+    MID_STEP_OPTIMIZERS,
+    MID_STEP_VIAS,
+    SHARDED_LAYOUTS,
+    MidStepCase,
+    ReshardCase,
+    ResumeCase,
+    StateDictCase,
+)
 from harness.cases.training import OPTIMIZERS, TP_LAYOUTS
 from harness.errors import check_int, check_one_of, check_subset, require
 from harness.strategies._common import factorisations, sampled, takes_world_size
+from harness.strategies.modules import graph_cases
 from harness.strategies.training import DTENSOR_UNSUPPORTED, optim_configs, parity_cases
-from specs.resume import step_after
+from specs.resume import (
+    MID_STEP_POINTS,
+    initialises_optimizer,
+    optimizer_is_empty,
+    step_after,
+)
 
 
 def state_dict_cases(
@@ -231,3 +245,52 @@ def _resume_cases(
 # train first: hypothesis shrinks a sampled_from towards its first element.
 _KINDS_BEFORE = ("train", "reload", "resize")
 _KINDS_AFTER_TRAINING = ("train", "checkpoint", "reload", "resize")
+
+
+# --- state dicts taken inside a step -------------------------------------------------------
+
+
+def mid_step_cases(
+    world_size: int, *, first_step_dcp: bool = False
+) -> st.SearchStrategy[MidStepCase]:
+    """A module graph (shared modules, tied parameters and buffers: ``graph_cases``) under
+    ``fully_shard`` on a 1-D or a (replicate, shard) mesh of ``world_size`` ranks
+    (``reshard_after_forward`` None, True, False or a factor of the shard axis), trained 2-3
+    steps (1-3 for ``first_step_dcp``) by SGD (momentum), Adam or AdamW (weight decay or
+    not), ``zero_grad`` setting
+    gradients to None or to zeros; its state dict taken at a point of a step
+    (``specs.resume.MID_STEP_POINTS``), in memory or through DCP.
+
+    Left out, each the deviation of a spec of its own: a point of step 0 before the
+    backward, where taking the state dict steps the empty optimizer once with lr 0
+    (``specs.resume.initialises_optimizer``; state_dict.optim.get_has_no_side_effect), and
+    DCP while the optimizer is empty (state_dict.resume.mid_step_empty_optimizer_dcp).
+    ``first_step_dcp``: only that case, DCP between the first backward and first step()."""
+    check_int("world_size", world_size)
+    require(isinstance(first_step_dcp, bool), "first_step_dcp", first_step_dcp, "a bool")
+    return _mid_step_cases(world_size, first_step_dcp=first_step_dcp)
+
+
+@takes_world_size
+@st.composite
+def _mid_step_cases(draw: st.DrawFn, world_size: int, *, first_step_dcp: bool) -> MidStepCase:
+    # The graph's momentum is not used: the case's optimizer says its own options.
+    graph = replace(draw(graph_cases(world_size, train=True)), momentum=0.0)
+    mesh = draw(sampled(factorisations(world_size, 2)))  # 1-D, then (replicate, shard)
+    factors = tuple(f for f in range(2, mesh[-1]) if mesh[-1] % f == 0)
+    reshard = draw(sampled((None, True, False, *factors)))
+    optimizer = draw(sampled(MID_STEP_OPTIMIZERS))
+    weight_decay = draw(sampled((0.0, 0.01)))
+    set_to_none = draw(st.booleans())
+    if first_step_dcp:
+        at_step, point, via = 0, "after_backward", "dcp"
+    else:
+        # two steps or three: every point has a step to take the state dict at and a step
+        # after it; a point of step 0 before its backward is drawn at a later step
+        graph = replace(graph, steps=draw(st.integers(2, 3)))
+        point = draw(sampled(MID_STEP_POINTS))
+        at_step = draw(st.integers(int(initialises_optimizer(0, point)), graph.steps - 1))
+        via = draw(sampled(("memory",) if optimizer_is_empty(at_step, point) else MID_STEP_VIAS))
+    return MidStepCase(
+        graph, optimizer, weight_decay, mesh, reshard, set_to_none, at_step, point, via
+    )

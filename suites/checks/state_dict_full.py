@@ -316,6 +316,20 @@ def offload_on_rank(
     )
 
 
+def pinned_on_rank(ctx: RankContext, case: StateDictCase) -> dict[str, bool]:
+    """Whether each parameter's local piece is in pinned host memory, after training the
+    case (``CPUOffloadPolicy(pin_memory=True)``) and in a fresh offloaded model its state
+    dict was loaded into; keyed ``trained NAME`` and ``loaded NAME``."""
+    original = trained(ctx, case)
+    fresh = build(ctx, case, fresh=True)
+    fresh.model.load_state_dict(original.model.state_dict())
+    return {
+        f"{when} {name}": param.to_local().is_pinned()  # type: ignore[attr-defined]
+        for when, sharded in (("trained", original), ("loaded", fresh))
+        for name, param in sharded.model.named_parameters()
+    }
+
+
 def meta_load_on_rank(
     ctx: RankContext, case: StateDictCase, cpu_state_dict: bool
 ) -> dict[str, Any]:

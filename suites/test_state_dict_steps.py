@@ -1,0 +1,85 @@
+"""State dicts taken inside a training step, resumed from as if after a crash: a module graph
+(shared modules, tied parameters and buffers) under ``fully_shard`` on a 1-D or HSDP mesh,
+trained by a stateful optimizer; its model and optimizer state dict taken at a drawn point
+of a step (``specs.resume.MID_STEP_POINTS``), in memory or through DCP; a fresh model and
+optimizer loaded from it redo that step from its start. Upstream's state-dict tests take
+state dicts between steps, after ``zero_grad`` (test/distributed/checkpoint/
+test_state_dict.py: "We need to ensure gradients don't exist, this the invarient of using
+DSD"); these take them at every point of a step.
+
+The reference is the same training never interrupted, on the same World. Every comparison
+is exact (rtol=atol=0): taking a state dict computes nothing, loading one copies values,
+and the resumed run repeats the uninterrupted run's arithmetic on the same values, ranks
+and batches (a state dict holds no gradients or activations: the step is redone from its
+forward, which gives the same gradients)."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from harness import World, parity
+from harness.cases.state_dict import MidStepCase
+from harness.parity import assert_array_equal, assert_equal_values
+from harness.profiles import costly
+from harness.strategies import mid_step_cases
+from specs import resume
+from suites.checks import state_dict_steps as steps
+from suites.checks.state_dict import assert_same_state
+
+# Each example builds and trains a module graph three times (uninterrupted, taking the state
+# dict, resumed), some through a DCP checkpoint: on 2 shared cores, a mean of 0.03 / 0.10 /
+# 0.21 / 0.31 s on 1 / 2 / 3 / 4 rank threads, about thirty placement examples.
+PROPERTY = costly(30)
+
+
+@contextlib.contextmanager
+def _checkpoint_dir() -> Iterator[str]:
+    """A directory every rank sees (made and removed by the driver; ranks invent nothing)."""
+    root = tempfile.mkdtemp(prefix="distconf-mid-step-")
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _check_mid_step(world: World, case: MidStepCase) -> None:
+    parity.attach(case.call())
+    reference = world.run(steps.uninterrupted_on_rank, case)
+    with _checkpoint_dir() as root:
+        interrupted = world.run(steps.interrupted_on_rank, case, root)
+    first = resume.resume_step(case.at_step, case.point)
+    for rank, ((continued, resumed), want) in enumerate(zip(interrupted, reference, strict=True)):
+        for what, got, losses in (
+            (f"the run that took the state dict, rank {rank}", continued, want.losses),
+            (f"the run resumed at step {first}, rank {rank}", resumed, want.losses[first:]),
+        ):
+            # exact: the same arithmetic on the same values (see the module docstring)
+            assert_equal_values(got.losses, losses, what=f"losses of {what}")
+            assert_same_state(got.state, want.state, what=what)
+            assert_equal_values(list(got.buffers), list(want.buffers), what=f"buffers of {what}")
+            for name, value in want.buffers.items():
+                assert_array_equal(got.buffers[name], value, what=f"buffer {name} of {what}")
+
+
+@pytest.mark.spec("state_dict.resume.mid_step")
+@PROPERTY
+@given(data=st.data())
+def test_resuming_from_a_state_dict_taken_inside_a_step(world: World, data: st.DataObject) -> None:
+    _check_mid_step(world, data.draw(mid_step_cases(world.world_size), label="case"))
+
+
+@pytest.mark.spec("state_dict.resume.mid_step_empty_optimizer_dcp")
+@PROPERTY
+@given(data=st.data())
+def test_dcp_checkpoint_between_the_first_backward_and_step_resumes(
+    world: World, data: st.DataObject
+) -> None:
+    case = data.draw(mid_step_cases(world.world_size, first_step_dcp=True), label="case")
+    _check_mid_step(world, case)
