@@ -9,6 +9,7 @@ there skips without CUDA); the catalogue's provenance maps each upstream test to
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,19 +17,21 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from harness import World, parity
-from harness.cases.modules import ContainerCase
+from harness.cases.modules import TorchInitCase
 from harness.parity import assert_array_equal, assert_close, assert_equal_values, failure
 from harness.profiles import property_settings
 from harness.strategies import (
+    container_cases,
     factorisations,
     graph_cases,
     mesh_mlp_cases,
-    seeds,
     shard_dim_cases,
     strided_disagreement_cases,
     strided_disagreement_world_sizes,
+    torch_init_cases,
     zero_size_shapes,
 )
+from harness.torchkit import devices
 from specs import fsdp_layouts as layouts
 from specs import modules as model
 from specs.chunking import shard_sizes
@@ -37,6 +40,7 @@ from suites.checks import fsdp_expect as expect
 from suites.checks import fsdp_graphs as graphs
 from suites.checks import fsdp_meshes as meshes
 from suites.checks import fsdp_misc as misc
+from suites.checks import fsdp_torch_init as torch_init
 
 PROPERTY = property_settings()
 DUPLICATE = "is shared with a parameter already managed by another FSDP group"
@@ -283,6 +287,43 @@ def test_meta_init_from_broadcast_state_dict(world: World, data: st.DataObject) 
         expect.assert_trained_like(view, reference, rank, losses=losses)
 
 
+def _torch_init_views(world: World, case: TorchInitCase) -> list[torch_init.InitView]:
+    if world.runner == "threads" and world.device != "cpu":
+        pytest.skip("rank threads share one accelerator generator and DTensor's RNG tracker")
+    parity.attach(case.call())
+    return world.run(torch_init.torch_init_on_rank, case)
+
+
+@pytest.mark.spec("fsdp_init.meta.torch_init")
+@PROPERTY
+@given(data=st.data())
+def test_torch_reset_parameters_on_sharded_params(world: World, data: st.DataObject) -> None:
+    case = data.draw(torch_init_cases(world.world_size), label="case")
+    views = _torch_init_views(world, replace(case, steps=0))
+    torch_init.assert_initialised(views, case, world.device)
+
+
+@pytest.mark.spec("fsdp_init.meta.torch_init_adam")
+@PROPERTY
+@given(data=st.data())
+def test_adam_after_torch_init_matches_one_device(world: World, data: st.DataObject) -> None:
+    case = data.draw(torch_init_cases(world.world_size), label="case")
+    torch_init.assert_trained(_torch_init_views(world, case), case, world.world_size)
+
+
+@pytest.mark.spec("fsdp_init.mesh.default")
+@PROPERTY
+@given(data=st.data())
+def test_fully_shard_without_a_mesh(world: World, data: st.DataObject) -> None:
+    host = devices.accelerator_type()
+    if world.device != host:
+        pytest.skip(f"the default mesh is on the host's {host}, this World is on {world.device}")
+    case = data.draw(torch_init_cases(world.world_size, default_mesh=True), label="case")
+    views = _torch_init_views(world, case)
+    torch_init.assert_default_mesh(views, host)
+    torch_init.assert_trained(views, case, world.world_size)
+
+
 # --- the mesh argument -----------------------------------------------------------------------
 
 
@@ -297,17 +338,8 @@ def test_mesh_of_wrong_rank_or_without_names_is_refused(world: World, data: st.D
     for rank, raised in enumerate(world.run(meshes.mesh_error_on_rank, shape, named, case)):
         assert raised is not None, f"rank {rank}: fully_shard accepted a mesh of shape {shape}"
         kind, message, mesh = raised
-        expected = (
-            ("ValueError", f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
-            if len(shape) == 3
-            else (
-                "AssertionError",
-                "Please init the 2D mesh for HSDP with mesh_dim_names specified",
-            )
-        )
-        assert_equal_values(
-            (kind, message), expected, what=f"error on rank {rank} for mesh {shape}"
-        )
+        expected = meshes.expected_mesh_error(shape, mesh)
+        assert_equal_values((kind, message), expected, what=f"error on rank {rank} for {shape}")
 
 
 # --- 2-D meshes ---------------------------------------------------------------------------------
@@ -449,9 +481,10 @@ def test_tp_parameters_and_buffers_move_to_mesh_device(world: World, data: st.Da
     _skip_unless_accelerator(world, "fully_shard moves CPU buffers beside accelerator DTensors")
     case = data.draw(mesh_mlp_cases(world.world_size, kind="tp"), label="case")
     for rank, seen in enumerate(world.run(misc.tp_device_on_rank, case)):
-        for name, (device, local) in seen["after"].items():
-            expected = (seen["device"], None if local is None else seen["device"])
-            assert_equal_values((device, local), expected, what=f"devices of {name} on rank {rank}")
+        here = seen["device"]
+        for stage, expected in misc.expected_tp_devices(case, here).items():
+            what = f"(device, local device) of each tensor {stage} fully_shard on rank {rank}"
+            assert_equal_values(seen[stage], expected, what=what)
 
 
 @pytest.mark.spec("fsdp_init.device.dtensor_mesh_mismatch")
@@ -486,11 +519,7 @@ def test_scalar_and_noncontiguous_parameters_are_refused(world: World, data: st.
     wrap = next(g.wrap for g in model.simulate(case.graph) if node in g.modules)
     expected = misc.unsupported_outcome(kind, wrap, case.width)
     for rank, raised in enumerate(world.run(misc.unsupported_on_rank, case, kind, node)):
-        got = (
-            None
-            if raised is None
-            else (raised.stage, raised.kind, raised.message[: len(expected[2])])
-        )
+        got = misc.raised_prefix(raised, len(expected[2]))
         assert_equal_values(got, expected if expected[2] else None, what=f"error on rank {rank}")
 
 
@@ -510,12 +539,7 @@ def test_zero_size_dims_are_sharded_like_others(world: World, data: st.DataObjec
 @PROPERTY
 @given(data=st.data())
 def test_containers_need_a_forward(world: World, data: st.DataObject) -> None:
-    case = ContainerCase(
-        kind=data.draw(st.sampled_from(("list", "dict")), label="kind"),
-        layers=data.draw(st.integers(1, 3), label="layers"),
-        width=data.draw(st.integers(1, 2 * world.world_size + 1), label="width"),
-        seed=data.draw(seeds(), label="seed"),
-    )
+    case = data.draw(container_cases(world.world_size), label="case")
     reference = misc.container_reference(case, world.world_size)
     prefix = "fully_shard does not support containers that do not implement forward: "
     for rank, (message, text, output) in enumerate(world.run(misc.container_on_rank, case)):

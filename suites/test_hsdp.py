@@ -18,6 +18,7 @@ from harness.cases.hsdp import GroupErrorCase, HSDPCase, SyncCase
 from harness.parity import assert_array_equal, assert_equal_values
 from harness.profiles import property_settings
 from harness.strategies import group_error_cases, hsdp_cases, save_load_cases, sync_cases
+from harness.torchkit import devices
 from harness.torchkit.collectives import CountKey
 from harness.torchkit.optim import describe_reference, reference_run
 from suites.checks import hsdp
@@ -45,7 +46,7 @@ def _draw(world: World, data: st.DataObject, api: str) -> HSDPCase:
 
 def _check_parity(world: World, case: HSDPCase) -> None:
     parity.attach(case.call())
-    reference = reference_run(case.training)
+    reference = hsdp.tied_reference(case) if case.tied else reference_run(case.training)
     parity.note_reference(describe_reference(case.training))
     results = world.run(hsdp.hybrid_and_full_on_rank, case)
     hybrid, full = [h for h, _ in results], [f for _, f in results]
@@ -102,28 +103,29 @@ def expected_collectives(case: HSDPCase, rank: int) -> Counter[CountKey]:
     all-reduces over its replicate group (even a one-rank one, as upstream counts). It
     all-gathers over the shard group in forward and, when it reshards after forward
     (HYBRID_SHARD, reshard_after_forward=True), again in backward; _HYBRID_SHARD_ZERO2 keeps
-    it unsharded. The fully sharded root of ``mixed`` does the same over the world, except
-    that FSDP1 never reshards its root after forward and runs a one-rank world as NO_SHARD
-    (an all-reduce over that one rank).
+    it unsharded. The hybrid units are the Linears wrapped on their own, and the root when
+    it is hybrid and holds the tied Linears. A fully sharded root (``mixed``) does the same
+    over the world without the all-reduce, except that FSDP1 runs a one-rank world as
+    NO_SHARD (an all-reduce over that one rank). FSDP1 never reshards its root after
+    forward; fully_shard's root reshards like the others.
     """
     shard, replicate, world = mesh_groups(case.mesh_shape, rank)
-    linears = len(case.training.dims) - 1
-    hybrid_units = linears if case.wrapping == "hybrid" else linears - 1
-    full_units = 0 if case.wrapping == "hybrid" else 1
     reshards = case.strategy == "HYBRID_SHARD"
+    root_gathers = 2 if reshards and case.api == "fully_shard" else 1
+    gathers = [2 if reshards else 1] * len(case.own_units)
+    if case.root_holds_params and case.wrapping == "hybrid":
+        gathers.append(root_gathers)
     counts: Counter[CountKey] = Counter()
-    gathers: Counter[CountKey] = Counter()
     if len(shard) > 1:
-        counts[("reduce_scatter", shard)] += hybrid_units
-        gathers[("all_gather", shard)] += hybrid_units * (2 if reshards else 1)
-    counts[("all_reduce", replicate)] += hybrid_units
-    if full_units and len(world) > 1:
+        counts[("reduce_scatter", shard)] += len(gathers)
+        counts[("all_gather", shard)] += sum(gathers)
+    counts[("all_reduce", replicate)] += len(gathers)
+    if case.wrapping == "mixed" and len(world) > 1:
         counts[("reduce_scatter", world)] += 1
-        root_reshards = reshards and case.api == "fully_shard"
-        gathers[("all_gather", world)] += 2 if root_reshards else 1
-    elif full_units and case.api == "fsdp1":
+        counts[("all_gather", world)] += root_gathers
+    elif case.wrapping == "mixed" and case.api == "fsdp1":
         counts[("all_reduce", world)] += 1
-    return +(counts + gathers)
+    return +counts
 
 
 def _check_collectives(world: World, case: HSDPCase) -> None:
@@ -155,23 +157,56 @@ def test_fully_shard_step_issues_the_expected_collectives(
 
 def _expected_units(case: HSDPCase, rank: int) -> list[tuple[str, tuple[int, ...], object]]:
     """(strategy, shard group ranks, replicate group ranks) of every FSDP1 unit, outermost
-    first: under ``hybrid`` the root and every Linear, under ``mixed`` a FULL_SHARD root
-    over the world (no replicate group) and the Linears after the first. A one-rank
-    group runs as NO_SHARD (FSDP1 documents it as equivalent)."""
+    first: the root (hybrid under ``hybrid`` wrapping, FULL_SHARD over the world with no
+    replicate group under ``mixed``), then each Linear wrapped on its own. A one-rank group
+    runs as NO_SHARD (FSDP1 documents it as equivalent)."""
     shard, replicate, world = mesh_groups(case.mesh_shape, rank)
-    linears = len(case.training.dims) - 1
     hybrid = (case.strategy if len(shard) > 1 else "NO_SHARD", shard, replicate)
+    own = [hybrid] * len(case.own_units)
     if case.wrapping == "hybrid":
-        return [hybrid] * (linears + 1)
-    root = ("FULL_SHARD" if len(world) > 1 else "NO_SHARD", world, None)
-    return [root] + [hybrid] * (linears - 1)
+        return [hybrid, *own]
+    return [("FULL_SHARD" if len(world) > 1 else "NO_SHARD", world, None), *own]
 
 
 @pytest.mark.spec("hsdp.fsdp1.groups")
 @PROPERTY
 @given(data=st.data())
 def test_fsdp1_units_share_the_mesh_groups(world: World, data: st.DataObject) -> None:
-    case = _draw(world, data, "fsdp1")
+    _check_groups(world, _draw(world, data, "fsdp1"))
+
+
+@pytest.mark.spec("hsdp.fsdp1.default_groups")
+@PROPERTY
+@given(data=st.data())
+def test_fsdp1_hybrid_with_default_groups(world: World, data: st.DataObject) -> None:
+    node = devices.device_count(world.device)  # what FSDP1 takes for the devices of a host
+    if world.world_size % node:
+        pytest.skip(f"default groups need the world size to be a multiple of {node} devices")
+    strategy = hsdp_cases(world.world_size, api="fsdp1", node=node)
+    case = data.draw(strategy, label="case")
+    _check_groups(world, case)
+    _check_parity(world, case)
+
+
+@pytest.mark.spec("hsdp.fsdp1.device_id")
+@PROPERTY
+@given(data=st.data())
+def test_fsdp1_hybrid_on_cpu_needs_device_id(world: World, data: st.DataObject) -> None:
+    host = devices.accelerator_type()
+    if world.device != host:
+        pytest.skip(f"without device_id FSDP1 takes the host's {host}, not this World's device")
+    case = data.draw(hsdp_cases(world.world_size, api="fsdp1", ties=False), label="case")
+    give = data.draw(st.booleans(), label="device_id given")
+    parity.attach(f"{case.call()}, device_id={'the World device' if give else 'not given'}")
+    expected = ("ok", host) if give or host != "cpu" else ("RuntimeError", NO_ACCELERATOR)
+    for rank, outcome in enumerate(world.run(hsdp.device_id_on_rank, case, give)):
+        assert_equal_values(outcome, expected, what=f"FSDP1 construction on rank {rank}")
+
+
+NO_ACCELERATOR = "FSDP needs a non-CPU accelerator device, but no accelerator device is detected."
+
+
+def _check_groups(world: World, case: HSDPCase) -> None:
     parity.attach(case.call())
     for rank, units in enumerate(world.run(hsdp.fsdp1_groups_on_rank, case)):
         got = [(strategy, shard, replicate) for strategy, shard, replicate, _, _ in units]
@@ -262,9 +297,10 @@ def test_fsdp1_hybrid_with_one_group_raises(world: World, data: st.DataObject) -
 
 
 FSDP1_OPTIM_STATE_DICT_ON_THREADS = (
-    "FSDP.optim_state_dict asks the process group for its default device "
-    "(_get_pg_default_device), and the threaded process group registers no device backend: "
-    "RuntimeError 'Default device not found, because no backend has been registered'"
+    "FSDP.optim_state_dict times itself with SimpleProfiler, whose state is class-level "
+    "(process-wide): rank threads running it at once reset and remove each other's entries "
+    "(KeyError 'preprocessing_with_comm' or AssertionError '... is already being profiled') "
+    "while the other ranks wait in all_gather_object"
 )
 
 

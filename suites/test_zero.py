@@ -11,10 +11,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness import World, parity
-from harness.cases.training import OptimConfig, ParityCase, PartitionCase
+from harness.cases.training import OptimConfig, OverlapCase, ParityCase, PartitionCase
 from harness.parity import assert_close, assert_equal_values, failure
 from harness.profiles import property_settings
 from harness.strategies import (
+    fitting_overlap_cases,
+    frozen_groups_cases,
     join_cases,
     optim_configs,
     overlap_cases,
@@ -278,6 +280,10 @@ def test_join_with_uneven_inputs_matches_ddp(world: World, data: st.DataObject) 
 
 def _check_overlap(world: World, shard_buckets: bool, data: st.DataObject) -> None:
     case = data.draw(overlap_cases(world.world_size, shard_buckets=shard_buckets), label="case")
+    _check_overlap_case(world, case)
+
+
+def _check_overlap_case(world: World, case: OverlapCase) -> None:
     parity.attach(repr(case))
     for rank, (before, overlapped, local) in enumerate(world.run(training.overlap_on_rank, case)):
         _assert_params(overlapped, local, f"overlapped DDP+ZeRO on rank {rank}")
@@ -299,6 +305,27 @@ def test_ddp_hook_with_sharded_buckets_matches_ddp_local_sgd(
     world: World, data: st.DataObject
 ) -> None:
     _check_overlap(world, True, data)
+
+
+@pytest.mark.spec("zero.ddp_overlap.shard_buckets_fitting")
+@pytest.mark.world_size(min=2)
+@PROPERTY
+@given(data=st.data())
+def test_sharded_buckets_that_fit_match_ddp_local_sgd(world: World, data: st.DataObject) -> None:
+    _check_overlap_case(world, data.draw(fitting_overlap_cases(world.world_size), label="case"))
+
+
+@pytest.mark.spec("zero.param_groups.frozen")
+@PROPERTY
+@given(data=st.data())
+def test_frozen_parameters_in_groups_step_like_one_device(
+    world: World, data: st.DataObject
+) -> None:
+    case = data.draw(frozen_groups_cases(world.world_size), label="case")
+    parity.attach(case.call())
+    expected = checks.reference_frozen(case)
+    for rank, params in enumerate(world.run(checks.zero_frozen_on_rank, case)):
+        _assert_params(params, expected, f"rank {rank}")
 
 
 @pytest.mark.spec("zero.model_parallel")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.errors import check_one_of, require
 from specs.modules import ModuleGraph
 
 
@@ -100,3 +101,47 @@ class ContainerCase:
         name = {"list": "ModuleList", "dict": "ModuleDict"}[self.kind]
         forward = "subclass with forward" if with_forward else "plain"
         return f"fully_shard({name} of {self.layers} Linear({self.width}, {self.width}), {forward})"
+
+
+@dataclass(frozen=True)
+class TorchInitCase:
+    """A Linear stack (ReLU between) built on the meta device, ``fully_shard``-ed (each
+    Linear, then the root), materialised with ``to_empty``, filled with a constant and
+    initialised by torch's own ``reset_parameters`` after ``torch.manual_seed(seed)`` on
+    every rank; then ``steps`` Adam steps (the optimizer built right after ``to_empty``, as
+    upstream does) on each data-parallel rank's rows."""
+
+    dims: tuple[int, ...]
+    """Feature sizes, input first: ``(4, 3)`` is one Linear(4, 3)."""
+    bias: bool
+    dtype: str
+    mesh_shape: tuple[int, ...]
+    """``(world,)`` or ``(replicate, shard)`` (HSDP)."""
+    default_mesh: bool
+    """``fully_shard(module)`` with no mesh argument, called inside ``torch.device('meta')``
+    (1-D only)."""
+    seed: int
+    steps: int = 2
+    lr: float = 0.01
+    batch_per_rank: int = 1
+
+    def __post_init__(self) -> None:
+        check_one_of("dtype", self.dtype, ("float32", "float64"))
+        require(len(self.dims) >= 2, "dims", self.dims, "at least two sizes (one Linear)")
+        require(len(self.mesh_shape) in (1, 2), "mesh_shape", self.mesh_shape, "1-D or 2-D")
+        one_d = len(self.mesh_shape) == 1
+        require(one_d or not self.default_mesh, "default_mesh", self.default_mesh, "1-D only")
+
+    @property
+    def shards(self) -> int:
+        """Ranks a parameter is sharded over (the last mesh axis)."""
+        return self.mesh_shape[-1]
+
+    def call(self) -> str:
+        mesh = "no mesh (default)" if self.default_mesh else f"mesh {self.mesh_shape}"
+        return (
+            f"torch.manual_seed({self.seed}); with torch.device('meta'): Linear stack "
+            f"{self.dims} bias={self.bias} {self.dtype}; fully_shard each Linear and the root "
+            f"({mesh}); to_empty; Adam(lr={self.lr}); fill 1337; reset_parameters(); "
+            f"{self.steps} Adam step(s), batch {self.batch_per_rank}/data-parallel rank"
+        )

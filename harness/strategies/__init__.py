@@ -25,6 +25,7 @@ from harness.strategies.hsdp import (
 from harness.strategies.knobs import FSDP_LAYOUTS, KNOB_FAMILIES
 from harness.strategies.meshes import mesh_cases
 from harness.strategies.modules import (
+    container_cases,
     graph_cases,
     mesh_mlp_cases,
     module_graphs,
@@ -32,6 +33,7 @@ from harness.strategies.modules import (
     shard_dim_cases,
     strided_disagreement_cases,
     strided_disagreement_world_sizes,
+    torch_init_cases,
     zero_size_shapes,
 )
 from harness.strategies.placements import (
@@ -87,6 +89,7 @@ from harness.strategies.training import (
     partition_cases,
     step_cases,
 )
+from harness.strategies.zero import fitting_overlap_cases, frozen_groups_cases
 
 __all__ = [
     "DTENSOR_UNSUPPORTED",
@@ -95,6 +98,7 @@ __all__ = [
     "MAX_MESH_NDIM",
     "MAX_SIDE",
     "class_counts",
+    "container_cases",
     "distribute_cases",
     "dtypes",
     "einsum_unit_dim_cases",
@@ -102,9 +106,11 @@ __all__ = [
     "extremum_to_shard_cases",
     "factorisations",
     "factory_cases",
+    "fitting_overlap_cases",
     "flatten_empty_cases",
     "flattened_cases",
     "from_the_back_cases",
+    "frozen_groups_cases",
     "graph_cases",
     "group_error_cases",
     "hidden_sizes",
@@ -149,6 +155,7 @@ __all__ = [
     "strided_meshes",
     "sync_cases",
     "tied_cases",
+    "torch_init_cases",
     "tp_cases",
     "transformer_cases",
     "uneven_redistribute_cases",

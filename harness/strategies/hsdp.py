@@ -8,6 +8,7 @@ from functools import cache
 from hypothesis import strategies as st
 
 from harness.cases.hsdp import (
+    DEFAULT_GROUPS,
     GROUP_SOURCES,
     HSDP_APIS,
     HYBRID_STRATEGIES,
@@ -17,8 +18,9 @@ from harness.cases.hsdp import (
     HSDPCase,
     SyncCase,
 )
+from harness.cases.training import ParityCase
 from harness.errors import check_int, check_one_of, require
-from harness.strategies._common import factorisations, sampled, seeds, takes_world_size
+from harness.strategies._common import factorisations, mix, sampled, seeds, takes_world_size
 from harness.strategies.training import DTENSOR_UNSUPPORTED, parity_cases
 
 MESH_KINDS = ("any", "replicated_shards", "one_rank_shards")
@@ -47,34 +49,65 @@ def _fsdp1(api: str) -> bool:
     return api == "fsdp1"
 
 
-def hsdp_cases(world_size: int, *, api: str, meshes: str = "any") -> st.SearchStrategy[HSDPCase]:
+def hsdp_cases(
+    world_size: int, *, api: str, meshes: str = "any", ties: bool = True, node: int | None = None
+) -> st.SearchStrategy[HSDPCase]:
     """Hybrid sharding of a drawn training run (optimizer-suite configs) under ``api``,
     on a mesh of ``meshes`` kind; FSDP1 also draws how its groups are given and
     ``use_orig_params`` (without it there is one flat parameter per unit, so one
-    parameter group)."""
+    parameter group). ``ties``: sometimes the first and last Linear share their weight
+    (both then stay in the root's unit). ``node``: FSDP1 given no groups at all, all-hybrid
+    wrapping, on the (world / node, node) mesh its default groups make of ``node`` devices
+    per host (``node`` must divide ``world_size``)."""
     _fsdp1(api)
     hsdp_meshes(world_size, meshes)  # validates
-    return _hsdp_cases(world_size, api=api, meshes=meshes)
+    require(isinstance(ties, bool), "ties", ties, "a bool")
+    if node is not None:
+        require(api == "fsdp1", "api", api, "'fsdp1' with default groups (node given)")
+        check_int("node", node, 1)
+        require(world_size % node == 0, "node", node, f"a divisor of world_size={world_size}")
+    return _hsdp_cases(world_size, api=api, meshes=meshes, ties=ties, node=node)
+
+
+def _tied(training: ParityCase) -> ParityCase:
+    """``training`` on (a, b, ..., a, b): the first and last Linear of equal shape."""
+    a, b = training.dims[:2]
+    return dataclasses.replace(training, dims=(a, b, *training.dims[1:-1], a, b))
 
 
 @takes_world_size
 @st.composite
-def _hsdp_cases(draw: st.DrawFn, world_size: int, *, api: str, meshes: str) -> HSDPCase:
+def _hsdp_cases(
+    draw: st.DrawFn, world_size: int, *, api: str, meshes: str, ties: bool, node: int | None
+) -> HSDPCase:
     fsdp1 = _fsdp1(api)
     unsupported = frozenset() if fsdp1 else DTENSOR_UNSUPPORTED
     training = draw(parity_cases(world_size, layout="hsdp", unsupported=unsupported))
-    mesh = draw(sampled(hsdp_meshes(world_size, meshes)))
+    if node is None:
+        mesh = draw(sampled(hsdp_meshes(world_size, meshes)))
+    else:
+        mesh = (world_size // node, node)
     use_orig_params = draw(st.booleans()) if fsdp1 else True
     optim = training.optim
     if not use_orig_params:
         optim = dataclasses.replace(optim, second_group=None)
+    tied = ties and draw(mix((3, st.just(False)), (1, st.just(True))))
+    if tied:
+        training = _tied(training)
     return HSDPCase(
         api=api,
         strategy=draw(sampled(HYBRID_STRATEGIES)),
-        wrapping=draw(sampled(WRAPPINGS)),
-        groups=draw(sampled(GROUP_SOURCES)) if fsdp1 else "device_mesh",
+        wrapping="hybrid" if node is not None else draw(sampled(WRAPPINGS)),
+        groups=(
+            DEFAULT_GROUPS
+            if node is not None
+            else draw(sampled(GROUP_SOURCES))
+            if fsdp1
+            else "device_mesh"
+        ),
         use_orig_params=use_orig_params,
         training=dataclasses.replace(training, mesh_shape=mesh, optim=optim),
+        tied=tied,
     )
 
 

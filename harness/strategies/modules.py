@@ -26,7 +26,13 @@ from functools import cache
 from hypothesis import assume
 from hypothesis import strategies as st
 
-from harness.cases.modules import GraphCase, MLPMeshCase, ShardDimCase
+from harness.cases.modules import (
+    ContainerCase,
+    GraphCase,
+    MLPMeshCase,
+    ShardDimCase,
+    TorchInitCase,
+)
 from harness.errors import check_int, check_one_of, require
 from harness.strategies._common import factorisations, mix, sampled, seeds, takes_world_size
 from specs.chunking import num_chunks
@@ -381,4 +387,44 @@ def _strided_disagreement_cases(draw: st.DrawFn, world_size: int) -> MLPMeshCase
         bias=draw(st.booleans()),
         seed=draw(seeds()),
         nested=draw(st.booleans()),
+    )
+
+
+def torch_init_cases(
+    world_size: int, *, default_mesh: bool = False
+) -> st.SearchStrategy[TorchInitCase]:
+    """A Linear stack to build on meta and initialise with torch's own ``reset_parameters``
+    on a 1-D or (replicate, shard) mesh, widths around ``world_size`` (uneven and empty
+    shards); ``default_mesh=True``: 1-D, ``fully_shard`` given no mesh."""
+    require(isinstance(default_mesh, bool), "default_mesh", default_mesh, "a bool")
+    return _torch_init_cases(world_size, default_mesh=default_mesh)
+
+
+@takes_world_size
+@st.composite
+def _torch_init_cases(draw: st.DrawFn, world_size: int, *, default_mesh: bool) -> TorchInitCase:
+    meshes = ((world_size,),) if default_mesh else ((world_size,), *_meshes_2d(world_size))
+    layers = draw(st.integers(1, 3))
+    return TorchInitCase(
+        dims=tuple(draw(st.integers(1, 2 * world_size + 1)) for _ in range(layers + 1)),
+        bias=draw(st.booleans()),
+        dtype=draw(sampled(("float64", "float32"))),
+        mesh_shape=draw(sampled(meshes)),
+        default_mesh=default_mesh,
+        seed=draw(seeds()),
+        steps=draw(st.integers(1, 3)),
+        lr=draw(sampled((0.01, 0.1))),
+        batch_per_rank=draw(st.integers(1, 2)),
+    )
+
+
+@takes_world_size
+@st.composite
+def container_cases(draw: st.DrawFn, world_size: int) -> ContainerCase:
+    """A ModuleList or ModuleDict of 1-3 Linears, width around ``world_size``."""
+    return ContainerCase(
+        kind=draw(sampled(("list", "dict"))),
+        layers=draw(st.integers(1, 3)),
+        width=draw(st.integers(1, 2 * world_size + 1)),
+        seed=draw(seeds()),
     )

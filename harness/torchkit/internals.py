@@ -172,3 +172,18 @@ def fsdp1_replicate_group(unit: Any) -> Any:
     """The replicate group FSDP1 all-reduces a hybrid unit's gradients over: the private
     ``_inter_node_pg`` (None when the unit is not hybrid)."""
     return getattr(unit, "_inter_node_pg", None)
+
+
+def dtensor_rng_tracker_active() -> bool:
+    """Whether DTensor's random-number tracker is in use in this process
+    (``torch.distributed.tensor._random._rng_tracker``: made on the first random op on a
+    mesh whose device supports it; None on CPU meshes, where each rank draws from its own
+    generator)."""
+    from torch.distributed.tensor import _random
+
+    if not hasattr(_random, "_rng_tracker"):
+        raise RuntimeError(
+            "torch.distributed.tensor._random._rng_tracker is gone from this torch: "
+            "harness.torchkit.internals.dtensor_rng_tracker_active must be updated"
+        )
+    return _random._rng_tracker is not None

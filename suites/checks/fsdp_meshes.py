@@ -348,3 +348,11 @@ def assert_fsdp_over_tp(
     assert_array_equal(view.local, local, what=f"local data of {who}")
     assert view.full is not None, "views carry full_tensor()"
     assert_array_equal(view.full, full, what=f"full_tensor() of {who}")
+
+
+def expected_mesh_error(shape: tuple[int, ...], mesh: str) -> tuple[str, str]:
+    """The exception ``fully_shard`` raises for a mesh of ``shape`` (printed ``mesh``): a 3-D
+    one is refused outright, a 2-D one without dim names fails HSDP's assertion."""
+    if len(shape) == 3:
+        return "ValueError", f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}"
+    return "AssertionError", "Please init the 2D mesh for HSDP with mesh_dim_names specified"

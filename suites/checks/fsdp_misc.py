@@ -34,7 +34,7 @@ from specs.fsdp_layouts import chunk
 from specs.modules import Loc
 from specs.placements import Shard as SpecShard
 from suites.checks.fsdp_graphs import Raised, roots_of
-from suites.checks.fsdp_meshes import PLAN
+from suites.checks.fsdp_meshes import PLAN, TP_DIMS
 
 
 def _rows(batch: np.ndarray, ctx: RankContext, per_rank: int, dtype: str) -> torch.Tensor:
@@ -283,6 +283,21 @@ def tp_device_on_rank(ctx: RankContext, case: MLPMeshCase) -> dict[str, Any]:
     return {"before": before, "after": _devices(model), "device": here}
 
 
+def expected_tp_devices(
+    case: MLPMeshCase, here: str
+) -> dict[str, dict[str, tuple[str, str | None]]]:
+    """(device, local tensor's device) of each tensor ``tp_device_on_rank`` reports: before
+    ``fully_shard`` the TP parameters are DTensors already on the mesh's device (the DTensor
+    constructor moves them) and the buffer a plain CPU tensor; after it, everything on the
+    rank's current device ``here``."""
+    names = [n for n in TP_DIMS if case.bias or n.endswith("weight")]
+    params: dict[str, tuple[str, str | None]] = {n: (here, here) for n in names}
+    return {
+        "before": {**params, "buffer": ("cpu", None)},
+        "after": {**params, "buffer": (here, None)},
+    }
+
+
 def _devices(model: nn.Module) -> dict[str, tuple[str, str | None]]:
     tensors = [*model.named_parameters(), *model.named_buffers()]
     return {
@@ -430,3 +445,8 @@ def zero_size_on_rank(ctx: RankContext, shape: tuple[int, ...]) -> tuple[tuple[i
     weight = module.weight
     assert isinstance(weight, DTensor), "fully_shard made the parameter a DTensor"
     return tuple(weight.shape), tuple(weight.to_local().shape)
+
+
+def raised_prefix(raised: Raised | None, length: int) -> tuple[str, str, str] | None:
+    """(stage, exception type, the message's first ``length`` characters), or None."""
+    return None if raised is None else (raised.stage, raised.kind, raised.message[:length])

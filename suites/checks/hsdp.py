@@ -20,10 +20,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy, StateDictType, fully_shard
-from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy
 
 from harness import RankContext
-from harness.cases.hsdp import GroupErrorCase, HSDPCase, SyncCase
+from harness.cases.hsdp import DEFAULT_GROUPS, GroupErrorCase, HSDPCase, SyncCase
 from harness.torchkit import internals
 from harness.torchkit.collectives import CountKey, counting
 from harness.torchkit.dtensor import tensor_from, to_numpy
@@ -31,8 +31,10 @@ from harness.torchkit.models import build_mlp
 from harness.torchkit.optim import (
     Trained,
     build_optimizer,
+    build_scheduler,
     loss_of,
     param_groups,
+    reference_device,
     rows_of,
     step_batch,
 )
@@ -44,6 +46,8 @@ _FULL_TWIN = {"HYBRID_SHARD": "FULL_SHARD", "_HYBRID_SHARD_ZERO2": "SHARD_GRAD_O
 
 
 def _groups_argument(case: HSDPCase | SyncCase, mesh: Any) -> dict[str, Any]:
+    if case.groups == DEFAULT_GROUPS:
+        return {}
     if case.groups == "device_mesh":
         return {"device_mesh": mesh}
     return {"process_group": (mesh.get_group("shard"), mesh.get_group("replicate"))}
@@ -58,10 +62,12 @@ def _fsdp1(model: nn.Sequential, case: HSDPCase, ctx: RankContext, *, hybrid: bo
         strategy = ShardingStrategy[case.strategy]
     else:
         strategy = ShardingStrategy[_FULL_TWIN[case.strategy]]
+    own = _own(model, case)
     if case.wrapping == "hybrid":
-        policy = ModuleWrapPolicy({nn.Linear})
+        chosen = {id(model[index]) for index in own}
+        policy = CustomPolicy(lambda module: id(module) in chosen)
         return FSDP(model, sharding_strategy=strategy, auto_wrap_policy=policy, **options)
-    for index in _linears(model)[1:]:
+    for index in own:
         model[index] = FSDP(model[index], sharding_strategy=strategy, **options)
     root_options = {k: v for k, v in options.items() if k in ("device_id", "use_orig_params")}
     return FSDP(model, sharding_strategy=ShardingStrategy.FULL_SHARD, **root_options)
@@ -74,9 +80,7 @@ def _fully_shard(
     world = ctx.mesh((ctx.world_size,))
     mesh = ctx.mesh(case.mesh_shape, MESH_NAMES) if hybrid else world
     reshard = case.strategy == "HYBRID_SHARD"
-    linears = _linears(model)
-    inner = linears if case.wrapping == "hybrid" else linears[1:]
-    for index in inner:
+    for index in _own(model, case):
         fully_shard(model[index], mesh=mesh, reshard_after_forward=reshard)
     root_mesh = mesh if case.wrapping == "hybrid" else world
     fully_shard(model, mesh=root_mesh, reshard_after_forward=reshard)
@@ -87,10 +91,54 @@ def _linears(model: nn.Sequential) -> list[int]:
     return [i for i, layer in enumerate(model) if isinstance(layer, nn.Linear)]
 
 
+def _own(model: nn.Sequential, case: HSDPCase) -> list[int]:
+    """Module indices of the Linears wrapped on their own (``case.own_units``)."""
+    linears = _linears(model)
+    return [linears[position] for position in case.own_units]
+
+
+def build_model(case: HSDPCase, device: torch.device) -> nn.Sequential:
+    """The case's MLP, its first and last Linear sharing one weight when ``case.tied``."""
+    model = build_mlp(case.training, device)
+    if case.tied:
+        linears = _linears(model)
+        model[linears[-1]].weight = model[linears[0]].weight
+    return model
+
+
 def wrap(case: HSDPCase, ctx: RankContext, *, hybrid: bool = True) -> nn.Module:
-    model = build_mlp(case.training, ctx.device)
+    model = build_model(case, ctx.device)
     parallelize = _fsdp1 if case.api == "fsdp1" else _fully_shard
     return parallelize(model, case, ctx, hybrid=hybrid)
+
+
+def tied_reference(case: HSDPCase) -> Trained:
+    """``reference_run`` of a tied model: the same steps on one device over the global batch.
+    Tied cases draw plain training (no precision policy, clipping, micro-batches or knobs),
+    which this checks."""
+    training = case.training
+    plain = (training.precision, training.clip_norm, training.micro_batches)
+    assert plain == (None, None, 1), "tied cases draw plain training"
+    assert training.gradient_scale == 1.0, "tied cases draw plain training"
+    device = reference_device()
+    model = build_model(case, device)
+    optimizer = build_optimizer(training.optim, param_groups(model, training.optim))
+    scheduler = build_scheduler(training.optim, optimizer)
+    losses = []
+    for step in range(training.steps):
+        inputs, targets = step_batch(training, step)
+        optimizer.zero_grad()
+        x, y = (
+            tensor_from(inputs, training.dtype, device),
+            tensor_from(targets, training.dtype, device),
+        )
+        loss = loss_of(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    return Trained(tuple(losses), {n: to_numpy(p) for n, p in model.named_parameters()})
 
 
 def _fsdp1_full_params(model: nn.Module) -> dict[str, np.ndarray]:
@@ -294,3 +342,23 @@ def save_load_on_rank(ctx: RankContext, case: HSDPCase, steps_after: int) -> Sav
         first_step=case.training.steps,
     )
     return SaveLoadResult(before.params, loaded, resumed, uninterrupted)
+
+
+def device_id_on_rank(ctx: RankContext, case: HSDPCase, give: bool) -> tuple[str, str]:
+    """FSDP1 hybrid sharding of a CPU-built MLP (every Linear its own unit), given
+    ``device_id=ctx.device`` or not: ("ok", the device types its parameters then hold) or
+    (exception type, message)."""
+    model = build_model(case, torch.device("cpu"))
+    mesh = ctx.mesh(case.mesh_shape, MESH_NAMES)
+    options = _groups_argument(case, mesh) | ({"device_id": ctx.device} if give else {})
+    try:
+        wrapped = FSDP(
+            model,
+            sharding_strategy=ShardingStrategy[case.strategy],
+            auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+            use_orig_params=case.use_orig_params,
+            **options,
+        )
+    except Exception as exc:  # the check is which exception, with which message
+        return type(exc).__name__, str(exc)
+    return "ok", ",".join(sorted({p.device.type for p in wrapped.parameters()}))

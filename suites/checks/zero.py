@@ -19,6 +19,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from harness import RankContext
 from harness.cases.training import OptimConfig, ParamsCase, PartitionCase
+from harness.cases.zero import FrozenGroupsCase
 from harness.torchkit.dtensor import to_numpy
 
 
@@ -327,3 +328,64 @@ def load_keeps_argument_on_rank(ctx: RankContext, case: ParamsCase) -> tuple[Any
     before = _plain(state_dict)
     zero_of(params, case.optim).load_state_dict(state_dict)
     return before, _plain(state_dict)
+
+
+# --- parameter groups with frozen parameters -----------------------------------------------
+
+
+def _frozen_params(case: FrozenGroupsCase, device: torch.device) -> list[list[torch.Tensor]]:
+    rng = np.random.default_rng([case.seed, 3])
+    return [
+        [
+            torch.tensor(rng.uniform(-1, 1, size=shape), device=device).requires_grad_(not off)
+            for shape, off in zip(group, frozen, strict=True)
+        ]
+        for group, frozen in zip(case.groups, case.frozen, strict=True)
+    ]
+
+
+def _frozen_groups(
+    case: FrozenGroupsCase, params: list[list[torch.Tensor]]
+) -> list[dict[str, Any]]:
+    return [
+        {"params": group, "lr": case.optim.lr * scale}
+        for group, scale in zip(params, case.lr_scales, strict=True)
+    ]
+
+
+def _frozen_step(
+    case: FrozenGroupsCase, params: list[list[torch.Tensor]], step: int, optimizer: Any
+) -> None:
+    """Freeze what ``step`` freezes, give every trainable parameter its seeded gradient and
+    every frozen one none (as backward would), and step."""
+    rng = np.random.default_rng([case.seed, 4, step])
+    for group, frozen in zip(params, case.frozen_at(step), strict=True):
+        for param, off in zip(group, frozen, strict=True):
+            values = rng.uniform(-1, 1, size=tuple(param.shape))
+            param.requires_grad_(not off)
+            param.grad = None if off else torch.tensor(values, device=param.device)
+    optimizer.step()
+
+
+def zero_frozen_on_rank(ctx: RankContext, case: FrozenGroupsCase) -> list[np.ndarray]:
+    """ZeRO over the case's groups, frozen parameters included; every parameter after the
+    steps, groups flattened in order."""
+    params = _frozen_params(case, ctx.device)
+    zero = ZeroRedundancyOptimizer(
+        _frozen_groups(case, params),
+        optimizer_class=optimizer_class(case.optim),
+        parameters_as_bucket_view=case.bucket_view,
+        **case.optim.kwargs(),
+    )
+    for step in range(case.steps):
+        _frozen_step(case, params, step, zero)
+    return [to_numpy(p) for group in params for p in group]
+
+
+def reference_frozen(case: FrozenGroupsCase) -> list[np.ndarray]:
+    """The same steps with the ``torch.optim`` optimizer on one device."""
+    params = _frozen_params(case, torch.device("cpu"))
+    optimizer = optimizer_class(case.optim)(_frozen_groups(case, params), **case.optim.kwargs())
+    for step in range(case.steps):
+        _frozen_step(case, params, step, optimizer)
+    return [to_numpy(p) for group in params for p in group]

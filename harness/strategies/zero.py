@@ -1,0 +1,83 @@
+"""Strategies of the ZeroRedundancyOptimizer suite's own cases: parameter groups with frozen
+parameters, and DDP overlap models whose buckets ``shard_buckets=True`` can place."""
+
+from __future__ import annotations
+
+from hypothesis import assume
+from hypothesis import strategies as st
+
+from harness.cases.training import OverlapCase
+from harness.cases.zero import FrozenGroupsCase
+from harness.errors import check_int
+from harness.strategies._common import mix, sampled, seeds, takes_world_size
+from harness.strategies.training import optim_configs
+from specs.zero_overlap import fits
+
+_FROZEN = mix((2, st.just(False)), (1, st.just(True)))
+
+
+def _shape(draw: st.DrawFn, world_size: int) -> tuple[int, ...]:
+    return tuple(draw(st.integers(1, 2 * world_size + 1)) for _ in range(draw(st.integers(1, 2))))
+
+
+def _mask(
+    draw: st.DrawFn, groups: tuple[tuple[tuple[int, ...], ...], ...]
+) -> tuple[tuple[bool, ...], ...]:
+    return tuple(tuple(draw(_FROZEN) for _ in group) for group in groups)
+
+
+@takes_world_size
+@st.composite
+def frozen_groups_cases(draw: st.DrawFn, world_size: int) -> FrozenGroupsCase:
+    """1-3 groups of 1-4 parameters (sizes around ``world_size``, so some ranks own none),
+    about a third frozen, sometimes another third from a drawn step on."""
+    groups = tuple(
+        tuple(_shape(draw, world_size) for _ in range(draw(st.integers(1, 4))))
+        for _ in range(draw(st.integers(1, 3)))
+    )
+    steps = draw(st.integers(1, 3))
+    return FrozenGroupsCase(
+        groups=groups,
+        frozen=_mask(draw, groups),
+        refrozen=_mask(draw, groups) if draw(st.booleans()) else None,
+        switch=draw(st.integers(0, steps - 1)),
+        optim=draw(optim_configs(groups=False)),
+        lr_scales=tuple(draw(sampled((1.0, 0.5, 2.0))) for _ in groups),
+        steps=steps,
+        bucket_view=draw(st.booleans()),
+        seed=draw(seeds()),
+    )
+
+
+_SMALL = st.integers(1, 9)
+_MEDIUM = st.integers(10, 128)
+
+
+def fitting_overlap_cases(world_size: int) -> st.SearchStrategy[OverlapCase]:
+    """DDP + ZeRO overlap with ``shard_buckets=True`` on a Linear stack (float64) whose DDP
+    buckets ZeRO can cut into at most ``world_size`` pieces each (``specs.zero_overlap``),
+    as upstream's Linear(1000, 2000), Linear(2000, 500) on 2-4 ranks: mostly widths of 10 to
+    128 (weights large beside the biases). ``world_size`` >= 2: on one rank the threshold
+    is the whole model, and the last parameter of any bucket of two always reaches it."""
+    check_int("world_size", world_size, 2)
+    return _fitting_overlap_cases(world_size)
+
+
+@takes_world_size
+@st.composite
+def _fitting_overlap_cases(draw: st.DrawFn, world_size: int) -> OverlapCase:
+    width = mix((3, _MEDIUM), (1, _SMALL))
+    dims = tuple(draw(width) for _ in range(draw(st.integers(2, 4))))
+    bias = draw(st.booleans())
+    assume(fits(dims, bias, 8, world_size))
+    return OverlapCase(
+        dims=dims,
+        inputs=draw(st.integers(1, 4)),
+        interleaved=draw(st.booleans()),
+        gradient_as_bucket_view=draw(st.booleans()),
+        static_graph=draw(st.booleans()),
+        shard_buckets=True,
+        seed=draw(seeds()),
+        bias=bias,
+        dtype="float64",
+    )
