@@ -107,14 +107,14 @@ def test_mixed_precision_matches_its_one_device_emulation(
     # Not under TP: a row-wise matmul's partial outputs are summed across the TP group in
     # bfloat16, a rounding one device's single matmul never does (measured: 1% of a loss).
     layout = data.draw(st.sampled_from(("fsdp", "hsdp")), label="layout")
-    families = tuple(f for f in KNOB_FAMILIES if f != "micro_batching")
     case = data.draw(
         parity_cases(
             world.world_size,
             layout=layout,
             unsupported=DTENSOR_UNSUPPORTED,
             mixed_precision=True,
-            knobs=families,
+            variants=True,
+            knobs=KNOB_FAMILIES,
         ),
         label="case",
     )

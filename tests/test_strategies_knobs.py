@@ -80,5 +80,3 @@ def test_knobs_are_refused_where_nothing_calls_fully_shard() -> None:
         parity_cases(2, layout="fsdp", knobs=("nope",))
     with pytest.raises(InvalidArgument, match=r"focus='checkpoint' must be one of"):
         parity_cases(2, layout="fsdp", knobs=("divide_factor",), focus="checkpoint")
-    with pytest.raises(InvalidArgument, match="without 'micro_batching'"):
-        parity_cases(2, layout="fsdp", mixed_precision=True, knobs=("micro_batching",))

@@ -135,15 +135,20 @@ class Knobs:
     explicit_unshard: bool = False
     """``unshard(async_op=True)`` on every module before each forward, ``reshard()``
     after each optimizer step."""
-    prefetch: int = 0
-    """Each Linear prefetches the next (forward) and previous (backward) this many."""
+    forward_prefetch: tuple[tuple[int, ...], ...] = ()
+    """``set_modules_to_forward_prefetch``: for each Linear, the Linears (by position) it
+    prefetches in forward; () sets nothing."""
+    backward_prefetch: tuple[tuple[int, ...], ...] = ()
+    """``set_modules_to_backward_prefetch``, likewise."""
+    keyword_input: bool = False
+    """The model is called with its input as a keyword argument (``model(input=x)``)."""
     checkpoint: bool = False
     """Each Linear wrapped in ``checkpoint_wrapper`` (non-reentrant) before sharding."""
     flatten: tuple[int, int] | None = None
     """fsdp: the 1-D mesh is this 2-D mesh flattened (``mesh._flatten()``)."""
 
     def describe(self) -> str:
-        turned = {k: v for k, v in self.__dict__.items() if v not in (None, False, 0)}
+        turned = {k: v for k, v in self.__dict__.items() if v not in (None, False, 0, ())}
         return ", ".join(f"{k}={v}" for k, v in turned.items())
 
 

@@ -17,7 +17,8 @@ KNOB_FAMILIES = ("divide_factor", "micro_batching", "resharding", "checkpoint")
 """``divide_factor``: a gradient divide factor, sum-only collectives, HSDP's mesh flattened
 for fsdp; ``micro_batching``: 2-3 micro-batches with all-reduce, resharding and the last
 backward held or marked; ``resharding``: reshard to a smaller group, explicit unshard and
-prefetching; ``checkpoint``: activation checkpointing of every Linear."""
+prefetch plans (neighbours, or any other layers); ``checkpoint``: activation checkpointing
+of every Linear."""
 
 FSDP_LAYOUTS = ("fsdp", "hsdp", "fsdp_tp", "hsdp_tp")
 """Layouts that call ``fully_shard``: the ones knobs apply to."""
@@ -65,6 +66,7 @@ def knobs(
     families: Sequence[str],
     focus: str | None,
     reduce_dtype: str,
+    layers: int,
     premul_sum: bool = False,
     one_rank_shard: bool = False,
 ) -> tuple[Knobs, int]:
@@ -89,10 +91,10 @@ def knobs(
     if "micro_batching" in turned:
         chosen, micro_batches = _micro_batching(draw, chosen, layout)
     if "resharding" in turned:
-        chosen = _resharding(draw, chosen, layout, mesh)
+        chosen = _resharding(draw, chosen, layout, mesh, layers)
     if "checkpoint" in turned:
         chosen = replace(chosen, checkpoint=True)
-    return chosen, micro_batches
+    return replace(chosen, keyword_input=draw(st.booleans())), micro_batches
 
 
 def _data_parallel(layout: str, mesh: tuple[int, ...]) -> int:
@@ -154,15 +156,34 @@ def _micro_batching(draw: st.DrawFn, chosen: Knobs, layout: str) -> tuple[Knobs,
     return chosen, draw(st.integers(2, 3))
 
 
-def _resharding(draw: st.DrawFn, chosen: Knobs, layout: str, mesh: tuple[int, ...]) -> Knobs:
+def _resharding(
+    draw: st.DrawFn, chosen: Knobs, layout: str, mesh: tuple[int, ...], layers: int
+) -> Knobs:
     size = shard_size(layout, mesh)
     smaller = tuple(d for d in range(2, size) if size % d == 0)
     return replace(
         chosen,
         reshard_to=draw(st.none() | sampled(smaller)) if smaller else None,
         explicit_unshard=draw(st.booleans()),
-        prefetch=draw(st.integers(0, 2)),
+        forward_prefetch=draw(_prefetch_plans(layers, forward=True)),
+        backward_prefetch=draw(_prefetch_plans(layers, forward=False)),
     )
+
+
+@st.composite
+def _prefetch_plans(draw: st.DrawFn, layers: int, *, forward: bool) -> tuple[tuple[int, ...], ...]:
+    """None, each Linear's next (forward) or previous (backward) 1-2 Linears, as torch's docs
+    show, or any 0-2 other Linears each: a mistargeted prefetch must not change numbers."""
+    kind = draw(sampled(("none", "neighbours", "any")))
+    if kind == "none" or layers < 2:
+        return ()
+    if kind == "neighbours":
+        count = draw(st.integers(1, 2))
+        if forward:
+            return tuple(tuple(range(i + 1, min(layers, i + 1 + count))) for i in range(layers))
+        return tuple(tuple(range(i - 1, max(-1, i - 1 - count), -1)) for i in range(layers))
+    others = [tuple(j for j in range(layers) if j != i) for i in range(layers)]
+    return tuple(tuple(draw(st.lists(sampled(o), max_size=2, unique=True))) for o in others)
 
 
 @st.composite

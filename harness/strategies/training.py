@@ -185,11 +185,6 @@ def parity_cases(
     2.13 serves them (``capturable`` off the fused kernels only if ``accelerator``).
     """
     check_one_of("layout", layout, LAYOUTS)
-    why = "the one-device emulation of mixed precision averages each step's gradients once"
-    if mixed_precision and variants:
-        fail("variants", variants, f"False with mixed_precision=True ({why}, unclipped)")
-    if mixed_precision and "micro_batching" in knobs:
-        fail("knobs", tuple(knobs), f"without 'micro_batching' when mixed_precision=True ({why})")
     check_subset("knobs", knobs, KNOB_FAMILIES)
     if focus is not None:
         check_one_of("focus", focus, tuple(knobs))
@@ -248,6 +243,7 @@ def _parity_cases(
             families=knobs,
             focus=focus,
             reduce_dtype=reduce_dtype,
+            layers=n_layers,
             premul_sum=premul_sum,
             one_rank_shard=one_rank_shard,
         )

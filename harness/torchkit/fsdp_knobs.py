@@ -79,14 +79,11 @@ def set_knobs(root: nn.Module, layers: list[nn.Module], knobs: Knobs) -> None:
                 module.set_gradient_divide_factor(knobs.divide_factor)
         if knobs.force_sum_reduction:
             module.set_force_sum_reduction_for_comms(True)
-    if knobs.prefetch:
-        _set_prefetch([_as_fsdp(layer) for layer in layers], knobs.prefetch)
-
-
-def _set_prefetch(layers: list[FSDPModule], count: int) -> None:
-    for index, layer in enumerate(layers):
-        layer.set_modules_to_forward_prefetch(layers[index + 1 : index + 1 + count])
-        layer.set_modules_to_backward_prefetch(layers[max(0, index - count) : index][::-1])
+    sharded = [_as_fsdp(layer) for layer in layers]
+    for layer, targets in zip(sharded, knobs.forward_prefetch, strict=False):
+        layer.set_modules_to_forward_prefetch([sharded[i] for i in targets])
+    for layer, targets in zip(sharded, knobs.backward_prefetch, strict=False):
+        layer.set_modules_to_backward_prefetch([sharded[i] for i in targets])
 
 
 @contextlib.contextmanager

@@ -140,27 +140,34 @@ def _mixed_precision_grads(
     model: nn.Module, case: ParityCase, inputs: np.ndarray, targets: np.ndarray
 ) -> float:
     """What FSDP's mixed-precision policies compute, on one device: each data-parallel
-    rank's forward and backward on a copy of the parameters, each Linear in its own compute
-    dtype (casting its input to it), the model's inputs cast to the root's dtype and its
-    output to the root's output dtype; the gradients averaged across ranks in the reduce
-    dtype onto the parameters. Returns the mean of the ranks' losses (as the driver
-    averages the ranks' own)."""
+    rank's forward and backward of each micro-batch on a copy of the parameters, each Linear
+    in its own compute dtype (casting its input to it), the model's inputs cast to the
+    root's dtype and its output to the root's output dtype; each micro-batch's gradients
+    cast to the reduce dtype and summed per rank, then averaged across ranks onto the
+    parameters. Returns the mean of the ranks' losses (as the driver averages the ranks'
+    own)."""
     precision = case.precision
     assert precision is not None
     device = next(model.parameters()).device
+    reduce_dtype = getattr(torch, precision.reduce_dtype)
     total: torch.Tensor | None = None
     losses = []
     for dp_rank in range(case.data_parallel):
         replica = build_mlp(case, device)
         replica.load_state_dict(model.state_dict())
         rows = rows_of(case, dp_rank)
-        output = _cast_forward(replica, precision, tensor_from(inputs[rows], case.dtype, device))
-        loss = loss_of(output, tensor_from(targets[rows], case.dtype, device))
-        loss.backward()  # type: ignore[no-untyped-call]
-        reduce_dtype = getattr(torch, precision.reduce_dtype)
-        grads = torch.cat([p.grad.to(reduce_dtype).flatten() for p in replica.parameters()])  # type: ignore[union-attr]
-        total = grads if total is None else total + grads
-        losses.append(loss.item())
+        loss_sum = 0.0
+        parts = np.array_split(np.arange(rows.start, rows.stop), case.micro_batches)
+        for part in parts:
+            x = tensor_from(inputs[part], case.dtype, device)
+            output = _cast_forward(replica, precision, x)
+            loss = loss_of(output, tensor_from(targets[part], case.dtype, device)) / len(parts)
+            loss.backward()  # type: ignore[no-untyped-call]
+            grads = torch.cat([p.grad.to(reduce_dtype).flatten() for p in replica.parameters()])  # type: ignore[union-attr]
+            total = grads if total is None else total + grads
+            replica.zero_grad(set_to_none=True)
+            loss_sum += loss.item()
+        losses.append(loss_sum)
     assert total is not None
     _set_flat_grads(model, total / case.data_parallel)
     return sum(losses) / len(losses)

@@ -97,10 +97,9 @@ def train_step(
     for number, part in enumerate(parts):
         with micro_batch(wrapped, case, last=number == len(parts) - 1):
             # equal parts: the mean of the parts' means is the mean over the rows
-            loss = loss_of(
-                wrapped(tensor_from(inputs[part], case.dtype, device)),
-                tensor_from(targets[part], case.dtype, device),
-            ) / len(parts)
+            x = tensor_from(inputs[part], case.dtype, device)
+            output = wrapped(input=x) if case.knobs.keyword_input else wrapped(x)
+            loss = loss_of(output, tensor_from(targets[part], case.dtype, device)) / len(parts)
             loss.backward()  # type: ignore[no-untyped-call]
         total += loss.item()
     if case.clip_norm is not None:
