@@ -23,7 +23,9 @@ from harness.strategies import (
 )
 from harness.torchkit.optim import describe_reference, reference_device, reference_run
 from suites.checks.training import (
+    assert_same_training,
     assert_trained_like,
+    checkpointed_dropout_on_rank,
     ddp_forward_buffers_on_rank,
     differentiable_steps_on_rank,
     differentiable_steps_reference,
@@ -114,7 +116,7 @@ def test_mixed_precision_matches_its_one_device_emulation(
             unsupported=DTENSOR_UNSUPPORTED,
             mixed_precision=True,
             variants=True,
-            knobs=KNOB_FAMILIES,
+            knob_families=KNOB_FAMILIES,
         ),
         label="case",
     )
@@ -145,7 +147,7 @@ def _check_knob(world: World, data: st.DataObject, focus: str) -> None:
             layout=data.draw(st.sampled_from(_fsdp_layouts(world)), label="layout"),
             unsupported=DTENSOR_UNSUPPORTED,
             variants=True,
-            knobs=KNOB_FAMILIES,
+            knob_families=KNOB_FAMILIES,
             focus=focus,
         ),
         label="case",
@@ -216,6 +218,43 @@ def test_resharding_controls_train_like_one_device(world: World, data: st.DataOb
 @given(data=st.data())
 def test_activation_checkpointing_trains_like_one_device(world: World, data: st.DataObject) -> None:
     _check_knob(world, data, "checkpoint")
+
+
+@pytest.mark.spec("optim.knobs.checkpointing_dropout")
+@KNOBS
+@given(data=st.data())
+def test_checkpointing_replays_dropout(world: World, data: st.DataObject) -> None:
+    if world.runner == "threads":
+        pytest.skip(
+            "rank threads share one CPU generator: dropout's masks would depend on how the "
+            "threads interleave (rank processes serve this property)"
+        )
+    families = tuple(f for f in KNOB_FAMILIES if f != "checkpoint")  # the check turns it
+    case = data.draw(
+        parity_cases(
+            world.world_size,
+            layout=data.draw(st.sampled_from(("fsdp", "hsdp")), label="layout"),
+            unsupported=DTENSOR_UNSUPPORTED,
+            variants=True,
+            knob_families=families,
+        ),
+        label="case",
+    )
+    case = replace(case, dropout=data.draw(st.sampled_from((0.1, 0.5)), label="dropout"))
+    parity.attach(f"{case.call()}, with and without checkpoint_wrapper")
+    parity.note_reference("the same layout without activation checkpointing, same seeds")
+    plain, checkpointed = zip(*world.run(checkpointed_dropout_on_rank, case), strict=True)
+    # Recomputation replays the same operations on the same values with the generator
+    # state restored: nothing may differ, to the bit.
+    assert_same_training(
+        list(checkpointed),
+        list(plain),
+        case,
+        rtol=0.0,
+        atol=0.0,
+        why="",
+        against="no checkpointing",
+    )
 
 
 @pytest.mark.spec("optim.flags.parity")

@@ -7,10 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.cases.training import Knobs
+from harness.cases.knobs import Knobs, Precision
+from harness.cases.training import OptimConfig, ParityCase, shard_size
 from harness.errors import InvalidArgument
 from harness.strategies import FSDP_LAYOUTS, KNOB_FAMILIES, parity_cases
-from harness.strategies.knobs import divides_twice, shard_size, uses_premul_sum
+from harness.strategies.knobs import divides_twice, uses_premul_sum
 
 
 def _reduce_dtype(case_dtype: str, mixed: bool) -> str:
@@ -23,7 +24,9 @@ def test_knob_cases_are_valid_for_their_layout(world_size: int, data: st.DataObj
     layout = data.draw(st.sampled_from(FSDP_LAYOUTS))
     focus = data.draw(st.sampled_from(KNOB_FAMILIES))
     case = data.draw(
-        parity_cases(world_size, layout=layout, variants=True, knobs=KNOB_FAMILIES, focus=focus)
+        parity_cases(
+            world_size, layout=layout, variants=True, knob_families=KNOB_FAMILIES, focus=focus
+        )
     )
     knobs, reduce_dtype = case.knobs, _reduce_dtype(case.dtype, case.precision is not None)
     assert not uses_premul_sum(knobs, layout, case.mesh_shape, reduce_dtype)
@@ -75,8 +78,84 @@ def test_divides_twice_needs_a_factor_a_one_rank_group_and_a_summing_reduction()
 
 def test_knobs_are_refused_where_nothing_calls_fully_shard() -> None:
     with pytest.raises(InvalidArgument, match="layout='ddp' must be one of"):
-        parity_cases(2, layout="ddp", knobs=("divide_factor",))
-    with pytest.raises(InvalidArgument, match=r"knobs=.*'nope'"):
-        parity_cases(2, layout="fsdp", knobs=("nope",))
+        parity_cases(2, layout="ddp", knob_families=("divide_factor",))
+    with pytest.raises(InvalidArgument, match=r"knob_families=.*'nope'"):
+        parity_cases(2, layout="fsdp", knob_families=("nope",))
     with pytest.raises(InvalidArgument, match=r"focus='checkpoint' must be one of"):
-        parity_cases(2, layout="fsdp", knobs=("divide_factor",), focus="checkpoint")
+        parity_cases(2, layout="fsdp", knob_families=("divide_factor",), focus="checkpoint")
+
+
+def _case(layout: str, mesh: tuple[int, ...], **changes: object) -> ParityCase:
+    fields: dict[str, object] = {
+        "layout": layout,
+        "mesh_shape": mesh,
+        "dims": (2, 3, 1),
+        "bias": True,
+        "batch_per_rank": 2,
+        "dtype": "float32",
+        "optim": OptimConfig("SGD", "default", 0.1),
+        "steps": 1,
+        "precision": None,
+        "seed": 0,
+    }
+    return ParityCase(**{**fields, **changes})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("layout", "mesh", "changes", "message"),
+    [
+        (
+            "ddp",
+            (2,),
+            {"knobs": Knobs(divide_factor=2.0)},
+            r"knobs=.* must be Knobs\(\) for layout='ddp'",
+        ),
+        (
+            "fsdp",
+            (2,),
+            {"knobs": Knobs(divide_factor=0.0)},
+            r"divide_factor=0\.0 must be None or > 0",
+        ),
+        (
+            "fsdp",
+            (4,),
+            {"knobs": Knobs(reshard_to=3)},
+            r"reshard_to=3 must be None or a divisor of 4",
+        ),
+        (
+            "fsdp",
+            (2,),
+            {"knobs": Knobs(hold_all_reduce=True)},
+            r"hold_all_reduce=True must be False",
+        ),
+        ("hsdp", (2, 2), {"knobs": Knobs(flatten=(2, 2))}, r"flatten=\(2, 2\) must be None"),
+        (
+            "fsdp",
+            (2,),
+            {"precision": Precision(layer_dtypes=("bfloat16",))},
+            r"precision=.* must be 2 layer_dtypes",
+        ),
+        ("zero", (2,), {"precision": Precision(layer_dtypes=("bfloat16",) * 2)}, r"must be None"),
+    ],
+)
+def test_parity_cases_refuse_knobs_their_layout_cannot_take(
+    layout: str, mesh: tuple[int, ...], changes: dict[str, object], message: str
+) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        _case(layout, mesh, **changes)
+
+
+def test_precision_names_the_field_it_refuses() -> None:
+    with pytest.raises(InvalidArgument, match=r"layer_dtypes\[1\]='float16'"):
+        Precision(layer_dtypes=("bfloat16", "float16"))
+    with pytest.raises(InvalidArgument, match=r"output_dtype='int64'"):
+        Precision(layer_dtypes=(), output_dtype="int64")
+
+
+def test_paths_a_world_size_cannot_reach_are_refused() -> None:
+    with pytest.raises(InvalidArgument, match=r"premul_sum=True must be False for 'fsdp'"):
+        parity_cases(1, layout="fsdp", premul_sum=True)
+    with pytest.raises(InvalidArgument, match=r"one_rank_shard=True must be False for 'fsdp'"):
+        parity_cases(2, layout="fsdp", one_rank_shard=True)
+    with pytest.raises(InvalidArgument, match=r"one_rank_shard=True must be False with premul"):
+        parity_cases(4, layout="hsdp", premul_sum=True, one_rank_shard=True)

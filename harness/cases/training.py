@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from harness.cases.knobs import NO_KNOBS, Knobs, Precision
 from harness.errors import check_one_of, require
 from specs.placements import Placement
 
@@ -40,6 +41,15 @@ IMPLEMENTATIONS = ("default", "foreach", "fused")
 LAYOUTS = ("fsdp", "hsdp", "fsdp_tp", "hsdp_tp", "ddp", "zero")
 TP_LAYOUTS = ("fsdp_tp", "hsdp_tp")
 """Layouts whose last mesh axis is tensor-parallel (a Colwise/Rowwise two-layer MLP)."""
+FSDP_LAYOUTS = ("fsdp", "hsdp", "fsdp_tp", "hsdp_tp")
+"""Layouts that call ``fully_shard``: the ones knobs and precision policies apply to."""
+
+
+def shard_size(layout: str, mesh: tuple[int, ...]) -> int:
+    """Ranks of the mesh axis ``fully_shard`` shards over (its reduce-scatter group): the
+    last axis but TP's."""
+    check_one_of("layout", layout, FSDP_LAYOUTS)
+    return mesh[-2] if layout in TP_LAYOUTS else mesh[-1]
 
 
 @dataclass(frozen=True)
@@ -79,79 +89,6 @@ class OptimConfig:
         return f"{self.name}({options}){extra}{lr_steps}"
 
 
-PRECISION_DTYPES = ("bfloat16", "float32")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Precision:
-    """``fully_shard``'s ``MixedPrecisionPolicy``: one for the root, one per Linear.
-
-    The root's ``param_dtype`` casts the model's inputs (``cast_forward_inputs``), each
-    Linear's computes in its own ``param_dtype`` (casting its inputs to it), gradients are
-    reduced in ``reduce_dtype``, and the root casts its output to ``output_dtype``."""
-
-    layer_dtypes: tuple[str, ...]
-    """Each Linear's ``param_dtype``, in model order."""
-    root_dtype: str | None = None
-    """The root's ``param_dtype`` (None: the root casts nothing)."""
-    reduce_dtype: str = "float32"
-    output_dtype: str | None = None
-
-    def __post_init__(self) -> None:
-        for dtype in (*self.layer_dtypes, self.root_dtype, self.output_dtype):
-            if dtype is not None:
-                check_one_of("dtype", dtype, PRECISION_DTYPES)
-        check_one_of("reduce_dtype", self.reduce_dtype, ("float32",))
-
-    def describe(self) -> str:
-        output = f", output {self.output_dtype}" if self.output_dtype else ""
-        return (
-            f"mixed precision: root {self.root_dtype}, layers {list(self.layer_dtypes)}, "
-            f"reduce {self.reduce_dtype}{output}"
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class Knobs:
-    """The FSDP2 controls real training turns, each set on every ``fully_shard`` module.
-
-    None of them may change what training computes, except ``divide_factor``: gradients
-    are summed over the data-parallel ranks and divided by it instead of averaged."""
-
-    divide_factor: float | None = None
-    """``set_gradient_divide_factor`` (or its deprecated spelling, ``set_reduce_scatter_
-    divide_factor``, when ``deprecated_spelling``)."""
-    deprecated_spelling: bool = False
-    force_sum_reduction: bool = False
-    """``set_force_sum_reduction_for_comms(True)``: sum-only collectives, scaled locally."""
-    hold_all_reduce: bool = False
-    """``set_requires_all_reduce(False)`` before every micro-batch but the last (HSDP)."""
-    hold_reshard: bool = False
-    """``set_reshard_after_backward(False)`` before every micro-batch but the last."""
-    mark_last_backward: bool = False
-    """``set_is_last_backward`` True before the last micro-batch only."""
-    reshard_to: int | None = None
-    """``reshard_after_forward`` as an int: reshard to groups of this many ranks."""
-    explicit_unshard: bool = False
-    """``unshard(async_op=True)`` on every module before each forward, ``reshard()``
-    after each optimizer step."""
-    forward_prefetch: tuple[tuple[int, ...], ...] = ()
-    """``set_modules_to_forward_prefetch``: for each Linear, the Linears (by position) it
-    prefetches in forward; () sets nothing."""
-    backward_prefetch: tuple[tuple[int, ...], ...] = ()
-    """``set_modules_to_backward_prefetch``, likewise."""
-    keyword_input: bool = False
-    """The model is called with its input as a keyword argument (``model(input=x)``)."""
-    checkpoint: bool = False
-    """Each Linear wrapped in ``checkpoint_wrapper`` (non-reentrant) before sharding."""
-    flatten: tuple[int, int] | None = None
-    """fsdp: the 1-D mesh is this 2-D mesh flattened (``mesh._flatten()``)."""
-
-    def describe(self) -> str:
-        turned = {k: v for k, v in self.__dict__.items() if v not in (None, False, 0, ())}
-        return ", ".join(f"{k}={v}" for k, v in turned.items())
-
-
 @dataclass(frozen=True)
 class ParityCase:
     """Train an MLP for ``steps`` steps under ``layout`` and on one device, then compare."""
@@ -180,13 +117,42 @@ class ParityCase:
     """The norm ``clip_grad_norm_`` measures (2, 1 or inf)."""
     wrapper_options: tuple[tuple[str, Any], ...] = ()
     """Keyword arguments of the DDP constructor (ddp, zero) or of every ``fully_shard``."""
-    knobs: Knobs = Knobs()
+    knobs: Knobs = NO_KNOBS
+    dropout: float = 0.0
+    """Each Linear followed by ``Dropout(dropout)`` in a unit of its own (0: none)."""
 
     def __post_init__(self) -> None:
         check_one_of("layout", self.layout, LAYOUTS)
         micro, rows = self.micro_batches, self.batch_per_rank
         divides = micro >= 1 and rows % micro == 0
         require(divides, "micro_batches", micro, f">= 1 and divide batch_per_rank={rows!r}")
+        sharded = self.layout in FSDP_LAYOUTS
+        if self.precision is not None:
+            require(sharded, "precision", self.precision, f"None for layout={self.layout!r}")
+            linears = len(self.dims) - 1
+            count = len(self.precision.layer_dtypes)
+            require(count == linears, "precision", self.precision, f"{linears} layer_dtypes")
+        if self.knobs != NO_KNOBS:
+            require(sharded, "knobs", self.knobs, f"Knobs() for layout={self.layout!r}")
+            self._check_knobs()
+
+    def _check_knobs(self) -> None:
+        knobs, size = self.knobs, self.shard_size
+        factor = knobs.divide_factor
+        require(factor is None or factor > 0, "divide_factor", factor, "None or > 0")
+        to = knobs.reshard_to
+        proper = to is None or (1 < to < size and size % to == 0)
+        require(proper, "reshard_to", to, f"None or a divisor of {size} in 2..{size - 1}")
+        hsdp = self.layout in ("hsdp", "hsdp_tp")
+        held = knobs.hold_all_reduce
+        require(hsdp or not held, "hold_all_reduce", held, f"False for {self.layout!r}")
+        flat = knobs.flatten
+        fits = flat is None or (self.layout == "fsdp" and flat[0] * flat[1] == self.mesh_shape[0])
+        require(fits, "flatten", flat, f"None or a 2-D shape of {self.mesh_shape} (fsdp only)")
+
+    @property
+    def shard_size(self) -> int:
+        return shard_size(self.layout, self.mesh_shape)
 
     @property
     def data_parallel(self) -> int:
@@ -205,6 +171,7 @@ class ParityCase:
         precision = f", {self.precision.describe()}" if self.precision else ""
         knobs = self.knobs.describe()
         precision += f", knobs: {knobs}" if knobs else ""
+        precision += f", dropout {self.dropout}" if self.dropout else ""
         synced = ", each synced" if self.sync_each_micro_batch else ""
         micro = f" in {self.micro_batches} micro-batches{synced}" if self.micro_batches > 1 else ""
         clip = (

@@ -5,6 +5,7 @@ arguments through ``harness.errors`` and draws only cases that are valid: a case
 needs filtering in a test. One module per area; the cases they draw are ``harness.cases``
 of the same name. This package exports every strategy the suites use."""
 
+from harness.cases.training import FSDP_LAYOUTS
 from harness.strategies._common import (
     MAX_MESH_NDIM,
     MAX_SIDE,
@@ -22,7 +23,7 @@ from harness.strategies.hsdp import (
     save_load_cases,
     sync_cases,
 )
-from harness.strategies.knobs import FSDP_LAYOUTS, KNOB_FAMILIES
+from harness.strategies.knobs import KNOB_FAMILIES
 from harness.strategies.meshes import mesh_cases
 from harness.strategies.modules import (
     container_cases,

@@ -9,7 +9,8 @@ from dataclasses import replace
 
 from hypothesis import strategies as st
 
-from harness.cases.training import PRECISION_DTYPES, Knobs, Precision
+from harness.cases.knobs import PRECISION_DTYPES, Knobs, Precision
+from harness.cases.training import FSDP_LAYOUTS, shard_size
 from harness.errors import check_one_of, check_subset
 from harness.strategies._common import factorisations, sampled
 
@@ -19,17 +20,6 @@ for fsdp; ``micro_batching``: 2-3 micro-batches with all-reduce, resharding and 
 backward held or marked; ``resharding``: reshard to a smaller group, explicit unshard and
 prefetch plans (neighbours, or any other layers); ``checkpoint``: activation checkpointing
 of every Linear."""
-
-FSDP_LAYOUTS = ("fsdp", "hsdp", "fsdp_tp", "hsdp_tp")
-"""Layouts that call ``fully_shard``: the ones knobs apply to."""
-
-
-def shard_size(layout: str, mesh: tuple[int, ...]) -> int:
-    """Ranks of the axis ``fully_shard`` shards over (its reduce-scatter group)."""
-    check_one_of("layout", layout, FSDP_LAYOUTS)
-    if layout == "fsdp":
-        return mesh[0]
-    return mesh[0] if layout == "fsdp_tp" else mesh[1]
 
 
 def uses_premul_sum(knobs: Knobs, layout: str, mesh: tuple[int, ...], reduce_dtype: str) -> bool:
@@ -58,7 +48,7 @@ def divides_twice(knobs: Knobs, layout: str, mesh: tuple[int, ...], reduce_dtype
     return factor not in (None, 1.0) and shard_size(layout, mesh) == 1 and sums
 
 
-def knobs(
+def draw_knobs(
     draw: st.DrawFn,
     *,
     layout: str,
@@ -91,7 +81,7 @@ def knobs(
     if "micro_batching" in turned:
         chosen, micro_batches = _micro_batching(draw, chosen, layout)
     if "resharding" in turned:
-        chosen = _resharding(draw, chosen, layout, mesh, layers)
+        chosen = _resharding(draw, chosen, layout, mesh, layers, focused=focus == "resharding")
     if "checkpoint" in turned:
         chosen = replace(chosen, checkpoint=True)
     return replace(chosen, keyword_input=draw(st.booleans())), micro_batches
@@ -146,6 +136,9 @@ def _divided_twice(draw: st.DrawFn, layout: str, mesh: tuple[int, ...], reduce_d
 
 
 def _micro_batching(draw: st.DrawFn, chosen: Knobs, layout: str) -> tuple[Knobs, int]:
+    """Held all-reduces only where there is one (HSDP); the caller syncs every micro-batch
+    when they are held (``set_requires_gradient_sync(False)`` would skip the reduction that
+    ``set_requires_all_reduce`` controls)."""
     hsdp = layout in ("hsdp", "hsdp_tp")
     chosen = replace(
         chosen,
@@ -157,17 +150,28 @@ def _micro_batching(draw: st.DrawFn, chosen: Knobs, layout: str) -> tuple[Knobs,
 
 
 def _resharding(
-    draw: st.DrawFn, chosen: Knobs, layout: str, mesh: tuple[int, ...], layers: int
+    draw: st.DrawFn,
+    chosen: Knobs,
+    layout: str,
+    mesh: tuple[int, ...],
+    layers: int,
+    *,
+    focused: bool,
 ) -> Knobs:
+    """``focused``: at least one control turned (explicit unshard when none was drawn)."""
     size = shard_size(layout, mesh)
     smaller = tuple(d for d in range(2, size) if size % d == 0)
-    return replace(
+    chosen = replace(
         chosen,
         reshard_to=draw(st.none() | sampled(smaller)) if smaller else None,
         explicit_unshard=draw(st.booleans()),
         forward_prefetch=draw(_prefetch_plans(layers, forward=True)),
         backward_prefetch=draw(_prefetch_plans(layers, forward=False)),
     )
+    controls = (chosen.reshard_to, chosen.explicit_unshard, *chosen.forward_prefetch)
+    if focused and not any(controls) and not any(chosen.backward_prefetch):
+        chosen = replace(chosen, explicit_unshard=True)
+    return chosen
 
 
 @st.composite

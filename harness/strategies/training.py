@@ -10,13 +10,14 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from harness.cases.knobs import Knobs
 from harness.cases.training import (
+    FSDP_LAYOUTS,
     IMPLEMENTATIONS,
     LAYOUTS,
     OPTIMIZERS,
     TP_LAYOUTS,
     JoinCase,
-    Knobs,
     MLPCase,
     OptimConfig,
     OverlapCase,
@@ -24,8 +25,9 @@ from harness.cases.training import (
     ParityCase,
     PartitionCase,
     StepCase,
+    shard_size,
 )
-from harness.errors import check_one_of, check_subset, fail, require
+from harness.errors import check_int, check_one_of, check_subset, fail, require
 from harness.strategies._common import (
     factorisations,
     mesh_shapes,
@@ -34,8 +36,7 @@ from harness.strategies._common import (
     shapes,
     takes_world_size,
 )
-from harness.strategies.knobs import FSDP_LAYOUTS, KNOB_FAMILIES, precisions, shard_size
-from harness.strategies.knobs import knobs as draw_knobs
+from harness.strategies.knobs import KNOB_FAMILIES, draw_knobs, precisions
 from harness.strategies.placements import placements
 from specs.chunking import shard_sizes
 
@@ -157,7 +158,7 @@ def parity_cases(
     unsupported: frozenset[tuple[str, str]] = frozenset(),
     mixed_precision: bool = False,
     variants: bool = False,
-    knobs: Sequence[str] = (),
+    knob_families: Sequence[str] = (),
     focus: str | None = None,
     premul_sum: bool = False,
     one_rank_shard: bool = False,
@@ -176,7 +177,7 @@ def parity_cases(
     ``fully_shard``'s ``reshard_after_forward``). ``mixed_precision=True`` draws a
     ``MixedPrecisionPolicy`` per module (``strategies.knobs.precisions``).
 
-    ``knobs`` names the families of ``strategies.knobs.KNOB_FAMILIES`` to draw (each
+    ``knob_families`` names the families of ``strategies.knobs.KNOB_FAMILIES`` to draw (each
     sometimes turned; ``focus`` always), for the layouts that call ``fully_shard``;
     ``premul_sum=True`` draws a divide factor only torch's PreMulSum reduction serves;
     ``one_rank_shard=True`` one on a shard group of one rank, reduced by sum then division
@@ -185,18 +186,21 @@ def parity_cases(
     2.13 serves them (``capturable`` off the fused kernels only if ``accelerator``).
     """
     check_one_of("layout", layout, LAYOUTS)
-    check_subset("knobs", knobs, KNOB_FAMILIES)
+    check_subset("knob_families", knob_families, KNOB_FAMILIES)
     if focus is not None:
-        check_one_of("focus", focus, tuple(knobs))
-    if (knobs or premul_sum or one_rank_shard) and layout not in FSDP_LAYOUTS:
+        check_one_of("focus", focus, tuple(knob_families))
+    if (knob_families or premul_sum or one_rank_shard) and layout not in FSDP_LAYOUTS:
         fail("layout", layout, f"one of {FSDP_LAYOUTS} when knobs are drawn")
+    if premul_sum and one_rank_shard:
+        fail("one_rank_shard", one_rank_shard, "False with premul_sum=True (shard groups of 2+)")
+    _check_shard_groups(world_size, layout, premul_sum=premul_sum, one_rank_shard=one_rank_shard)
     return _parity_cases(
         world_size,
         layout=layout,
         unsupported=unsupported,
         mixed_precision=mixed_precision,
         variants=variants,
-        knobs=tuple(knobs),
+        knob_families=tuple(knob_families),
         focus=focus,
         premul_sum=premul_sum,
         one_rank_shard=one_rank_shard,
@@ -215,7 +219,7 @@ def _parity_cases(
     unsupported: frozenset[tuple[str, str]],
     mixed_precision: bool,
     variants: bool,
-    knobs: tuple[str, ...],
+    knob_families: tuple[str, ...],
     focus: str | None,
     premul_sum: bool,
     one_rank_shard: bool,
@@ -229,18 +233,18 @@ def _parity_cases(
     dims = [draw(st.integers(1, 2 * world_size + 1)) for _ in range(n_layers + 1)]
     if layout in TP_LAYOUTS:
         dims[1] = tp * draw(st.integers(1, 3))
-    mixed = mixed_precision or premul_sum
-    dtype = "float32" if mixed else draw(sampled(("float64", "float32")))
+    float32_only = mixed_precision or premul_sum
+    dtype = "float32" if float32_only else draw(sampled(("float64", "float32")))
     precision = draw(precisions(n_layers)) if mixed_precision else None
     micro_batches = draw(sampled((1, 2))) if variants else 1
     turned = Knobs()
-    if knobs or premul_sum or one_rank_shard:
+    if knob_families or premul_sum or one_rank_shard:
         reduce_dtype = "float32" if precision else dtype
         turned, knob_micro = draw_knobs(
             draw,
             layout=layout,
             mesh=mesh,
-            families=knobs,
+            families=knob_families,
             focus=focus,
             reduce_dtype=reduce_dtype,
             layers=n_layers,
@@ -248,7 +252,7 @@ def _parity_cases(
             one_rank_shard=one_rank_shard,
         )
         micro_batches = max(micro_batches, knob_micro)
-    sync_each = micro_batches > 1 and draw(st.booleans())
+    sync_each = micro_batches > 1 and (turned.hold_all_reduce or draw(st.booleans()))
     clip_norm = draw(sampled((None, 1.0, 0.05))) if variants else None
     clip_norm_type = 2.0
     if clip_norm is not None:
@@ -315,9 +319,33 @@ def _layout_mesh(
             shapes = [s for s in shapes if s[-1] > 1] or shapes
         if shard is not None:
             many = shard == "many"
-            shapes = [s for s in shapes if (shard_size(layout, s) > 1) == many] or shapes
+            shapes = [s for s in shapes if (shard_size(layout, s) > 1) == many]
         return draw(sampled(tuple(shapes)))
     return (world_size,)
+
+
+def _check_shard_groups(
+    world_size: int, layout: str, *, premul_sum: bool, one_rank_shard: bool
+) -> None:
+    """Some mesh of ``layout`` at ``world_size`` has the shard group each flag needs."""
+    check_int("world_size", world_size)
+    if not (premul_sum or one_rank_shard):
+        return
+    if layout == "fsdp":
+        sizes = [world_size]
+    else:
+        ndim = 3 if layout == "hsdp_tp" else 2
+        shapes = [s for s in factorisations(world_size, ndim) if len(s) == ndim]
+        if layout in TP_LAYOUTS:
+            shapes = [s for s in shapes if s[-1] > 1] or shapes
+        sizes = [shard_size(layout, s) for s in shapes]
+    where = f"{layout!r} at world size {world_size}"
+    if premul_sum:
+        why = f"False for {where}: no shard group of 2 or more ranks"
+        require(any(n > 1 for n in sizes), "premul_sum", premul_sum, why)
+    else:
+        why = f"False for {where}: no shard group of one rank"
+        require(1 in sizes, "one_rank_shard", one_rank_shard, why)
 
 
 @takes_world_size

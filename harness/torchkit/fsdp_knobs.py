@@ -8,7 +8,6 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
@@ -17,21 +16,18 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel
 
-from harness.cases.training import Knobs, ParityCase, Precision
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name)
-    assert isinstance(dtype, torch.dtype), name
-    return dtype
+from harness.cases.knobs import Knobs, Precision
+from harness.cases.training import ParityCase
+from harness.torchkit.dtensor import torch_dtype
 
 
 def checkpointed(model: nn.Sequential, knobs: Knobs) -> list[nn.Module]:
-    """The modules ``fully_shard`` wraps one by one (each Linear, in ``checkpoint_wrapper``
-    when ``knobs.checkpoint``), in model order; wrapping replaces them in ``model``."""
+    """The modules ``fully_shard`` wraps one by one (each child with parameters: a Linear
+    or a unit holding one; in ``checkpoint_wrapper`` when ``knobs.checkpoint``), in model
+    order; wrapping replaces them in ``model``."""
     layers = []
     for index, layer in enumerate(model):
-        if not isinstance(layer, nn.Linear):
+        if next(layer.parameters(), None) is None:
             continue
         if knobs.checkpoint:
             layer = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)

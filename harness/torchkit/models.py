@@ -60,6 +60,20 @@ def build_mlp(case: MLPShape, device: torch.device) -> nn.Sequential:
     return model
 
 
+def build_dropout_mlp(case: MLPShape, device: torch.device, p: float) -> nn.Sequential:
+    """``build_mlp``'s model with each Linear in a unit of its own followed by
+    ``Dropout(p)``: (Linear, Dropout), ReLU, (Linear, Dropout), ..., seeded alike."""
+    layers: list[nn.Module] = []
+    for i, (d_in, d_out) in enumerate(itertools.pairwise(case.dims)):
+        if i:
+            layers.append(nn.ReLU())
+        layers.append(nn.Sequential(nn.Linear(d_in, d_out, bias=case.bias), nn.Dropout(p)))
+    model = nn.Sequential(*layers)
+    model.to(device=device, dtype=torch_dtype(case.dtype))
+    seeded_init_(model, case.seed)
+    return model
+
+
 class Centering(nn.Module):
     """Subtracts a running mean of its inputs (a buffer updated by every training forward,
     as BatchNorm's running statistics are)."""

@@ -7,7 +7,7 @@ library's own CUDA kernels, foreach and fused; else CPU).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.cases.training import OptimConfig, ParityCase, Precision
+from harness.cases.knobs import Precision
+from harness.cases.training import OptimConfig, ParityCase
 from harness.torchkit import devices
-from harness.torchkit.dtensor import tensor_from, to_numpy
+from harness.torchkit.dtensor import tensor_from, to_numpy, torch_dtype
 from harness.torchkit.models import build_mlp
 
 
@@ -100,11 +101,15 @@ def describe_reference(case: ParityCase) -> str:
     return f"{device.type}: torch.optim.{case.optim.name}({case.optim.impl})"
 
 
-def reference_run(case: ParityCase) -> Trained:
-    """The same training on one device over the global batch (see the module docstring);
-    gradients multiplied by ``case.gradient_scale`` (a divide factor's effect)."""
+ModelBuilder = Callable[[ParityCase, torch.device], nn.Module]
+
+
+def reference_run(case: ParityCase, build: ModelBuilder = build_mlp) -> Trained:
+    """The same training on one device over the global batch (see the module docstring) of
+    the model ``build`` makes; gradients multiplied by ``case.gradient_scale`` (a divide
+    factor's effect)."""
     device = reference_device()
-    model = build_mlp(case, device)
+    model = build(case, device)
     optimizer = build_optimizer(case.optim, param_groups(model, case.optim))
     scheduler = build_scheduler(case.optim, optimizer)
     losses = []
@@ -112,13 +117,13 @@ def reference_run(case: ParityCase) -> Trained:
         inputs, targets = step_batch(case, step)
         optimizer.zero_grad()
         if case.precision is not None:
-            losses.append(_mixed_precision_grads(model, case, inputs, targets))
+            losses.append(_mixed_precision_grads(model, case, inputs, targets, build))
         else:
             x, y = tensor_from(inputs, case.dtype, device), tensor_from(targets, case.dtype, device)
             loss = loss_of(model(x), y)
             loss.backward()  # type: ignore[no-untyped-call]
             losses.append(loss.item())
-        _scale_grads(model, case.gradient_scale)
+            _scale_grads(model, case.gradient_scale)
         if case.clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(
                 model.parameters(), case.clip_norm, norm_type=case.clip_norm_type
@@ -137,23 +142,27 @@ def _scale_grads(model: nn.Module, scale: float) -> None:
 
 
 def _mixed_precision_grads(
-    model: nn.Module, case: ParityCase, inputs: np.ndarray, targets: np.ndarray
+    model: nn.Module,
+    case: ParityCase,
+    inputs: np.ndarray,
+    targets: np.ndarray,
+    build: ModelBuilder,
 ) -> float:
     """What FSDP's mixed-precision policies compute, on one device: each data-parallel
     rank's forward and backward of each micro-batch on a copy of the parameters, each Linear
     in its own compute dtype (casting its input to it), the model's inputs cast to the
     root's dtype and its output to the root's output dtype; each micro-batch's gradients
-    cast to the reduce dtype and summed per rank, then averaged across ranks onto the
-    parameters. Returns the mean of the ranks' losses (as the driver averages the ranks'
-    own)."""
+    cast to the reduce dtype and summed per rank, then summed across ranks and divided by
+    the divide factor (the data-parallel size by default) onto the parameters. Returns the
+    mean of the ranks' losses (as the driver averages the ranks' own)."""
     precision = case.precision
     assert precision is not None
     device = next(model.parameters()).device
-    reduce_dtype = getattr(torch, precision.reduce_dtype)
+    reduce_dtype = torch_dtype(precision.reduce_dtype)
     total: torch.Tensor | None = None
     losses = []
     for dp_rank in range(case.data_parallel):
-        replica = build_mlp(case, device)
+        replica = build(case, device)
         replica.load_state_dict(model.state_dict())
         rows = rows_of(case, dp_rank)
         loss_sum = 0.0
@@ -169,22 +178,23 @@ def _mixed_precision_grads(
             loss_sum += loss.item()
         losses.append(loss_sum)
     assert total is not None
-    _set_flat_grads(model, total / case.data_parallel)
+    # FSDP divides the sum once, by the divide factor where one is set
+    _set_flat_grads(model, total / (case.knobs.divide_factor or case.data_parallel))
     return sum(losses) / len(losses)
 
 
 def _cast_forward(replica: nn.Module, precision: Precision, x: torch.Tensor) -> torch.Tensor:
     if precision.root_dtype is not None:
-        x = x.to(getattr(torch, precision.root_dtype))
+        x = x.to(torch_dtype(precision.root_dtype))
     dtypes = iter(precision.layer_dtypes)
     for layer in replica.children():
         if isinstance(layer, nn.Linear):
-            dtype = getattr(torch, next(dtypes))
+            dtype = torch_dtype(next(dtypes))
             layer.to(dtype)
             x = x.to(dtype)
         x = layer(x)
     if precision.output_dtype is not None:
-        x = x.to(getattr(torch, precision.output_dtype))
+        x = x.to(torch_dtype(precision.output_dtype))
     return x
 
 

@@ -5,7 +5,8 @@ full-shard twin, the collectives of one step, FSDP1's groups, sync_module_states
 parameter group. Every Linear is a unit; the root holds no parameter of its own under
 ``hybrid`` wrapping, and the first Linear's under ``mixed`` wrapping (where it is fully
 sharded over the world, as upstream fully shards the embedding and output projection).
-"""
+A ``tied`` case shares the first and last Linears' weight: the root's unit holds both
+Linears, as upstream's root holds its tied embedding and output projection."""
 
 from __future__ import annotations
 
@@ -31,10 +32,9 @@ from harness.torchkit.models import build_mlp
 from harness.torchkit.optim import (
     Trained,
     build_optimizer,
-    build_scheduler,
     loss_of,
     param_groups,
-    reference_device,
+    reference_run,
     rows_of,
     step_batch,
 )
@@ -113,32 +113,8 @@ def wrap(case: HSDPCase, ctx: RankContext, *, hybrid: bool = True) -> nn.Module:
 
 
 def tied_reference(case: HSDPCase) -> Trained:
-    """``reference_run`` of a tied model: the same steps on one device over the global batch.
-    Tied cases draw plain training (no precision policy, clipping, micro-batches or knobs),
-    which this checks."""
-    training = case.training
-    plain = (training.precision, training.clip_norm, training.micro_batches)
-    assert plain == (None, None, 1), "tied cases draw plain training"
-    assert training.gradient_scale == 1.0, "tied cases draw plain training"
-    device = reference_device()
-    model = build_model(case, device)
-    optimizer = build_optimizer(training.optim, param_groups(model, training.optim))
-    scheduler = build_scheduler(training.optim, optimizer)
-    losses = []
-    for step in range(training.steps):
-        inputs, targets = step_batch(training, step)
-        optimizer.zero_grad()
-        x, y = (
-            tensor_from(inputs, training.dtype, device),
-            tensor_from(targets, training.dtype, device),
-        )
-        loss = loss_of(model(x), y)
-        loss.backward()
-        losses.append(loss.item())
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-    return Trained(tuple(losses), {n: to_numpy(p) for n, p in model.named_parameters()})
+    """``reference_run`` of the case's model, tied where the case ties."""
+    return reference_run(case.training, build=lambda _, device: build_model(case, device))
 
 
 def _fsdp1_full_params(model: nn.Module) -> dict[str, np.ndarray]:

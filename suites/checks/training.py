@@ -5,7 +5,7 @@ assertions that compare them with the single-device reference."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -15,7 +15,12 @@ from harness import RankContext
 from harness.cases.training import ParityCase, StepCase
 from harness.parity import assert_close, assert_equal_values
 from harness.torchkit.dtensor import full_array, tensor_from, to_numpy, to_torch_placements
-from harness.torchkit.models import Centering, build_centered_mlp, build_mlp
+from harness.torchkit.models import (
+    Centering,
+    build_centered_mlp,
+    build_dropout_mlp,
+    build_mlp,
+)
 from harness.torchkit.optim import (
     Trained,
     build_optimizer,
@@ -36,6 +41,22 @@ def train_on_rank(ctx: RankContext, case: ParityCase) -> Trained:
     model = build_mlp(case, ctx.device)
     wrapped, dp_rank = parallelize(model, case, ctx)
     return train_steps(ctx, case, wrapped, optimizer_for(model, case), dp_rank)
+
+
+def checkpointed_dropout_on_rank(ctx: RankContext, case: ParityCase) -> list[Trained]:
+    """A dropout model trained under ``case.layout`` without activation checkpointing, then
+    with it, this rank's generator seeded alike before each: their losses and parameters.
+
+    Only where each rank has a generator of its own (rank processes): rank threads share
+    one, and dropout's masks would depend on how they interleave."""
+    runs = []
+    for checkpoint in (False, True):
+        run = replace(case, knobs=replace(case.knobs, checkpoint=checkpoint))
+        torch.manual_seed(case.seed * 7919 + ctx.rank)
+        model = build_dropout_mlp(run, ctx.device, case.dropout)
+        wrapped, dp_rank = parallelize(model, run, ctx)
+        runs.append(train_steps(ctx, run, wrapped, optimizer_for(model, run), dp_rank))
+    return runs
 
 
 def assert_trained_like(
