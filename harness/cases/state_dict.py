@@ -122,6 +122,8 @@ class MidStepCase:
     at_step: int
     point: str
     via: str
+    tensor_lr: bool = False
+    """The optimizer's lr given as a 0-d tensor."""
 
     def __post_init__(self) -> None:
         check_one_of("optimizer", self.optimizer, MID_STEP_OPTIMIZERS)
@@ -144,7 +146,8 @@ class MidStepCase:
         return (
             f"{graph.graph.describe()}, width {graph.width}, batch {graph.batch_per_rank}/rank; "
             f"fully_shard({mesh}, reshard_after_forward={self.reshard_after_forward}); "
-            f"{graph.steps} step(s) of {self.optimizer}({options}), "
+            f"{graph.steps} step(s) of {self.optimizer}({options})"
+            f"{' with a tensor lr' if self.tensor_lr else ''}, "
             f"zero_grad(set_to_none={self.set_to_none}); state dict at step {self.at_step} "
             f"{self.point}, via {self.via}"
         )

@@ -292,5 +292,14 @@ def _mid_step_cases(draw: st.DrawFn, world_size: int, *, first_step_dcp: bool) -
         at_step = draw(st.integers(int(initialises_optimizer(0, point)), graph.steps - 1))
         via = draw(sampled(("memory",) if optimizer_is_empty(at_step, point) else MID_STEP_VIAS))
     return MidStepCase(
-        graph, optimizer, weight_decay, mesh, reshard, set_to_none, at_step, point, via
+        graph,
+        optimizer,
+        weight_decay,
+        mesh,
+        reshard,
+        set_to_none,
+        at_step,
+        point,
+        via,
+        tensor_lr=draw(st.booleans()),
     )

@@ -67,10 +67,12 @@ def build(ctx: RankContext, case: MidStepCase, *, fresh: bool = False) -> _Train
         options["reshard_after_forward"] = case.reshard_after_forward
     for wrap in built.graph.wraps:
         fully_shard(roots_of(built, wrap.nodes), mesh=mesh, **options)
-    kwargs = dict(case.optimizer_options)
+    kwargs: dict[str, Any] = dict(case.optimizer_options)
     if fresh:
         kwargs["lr"] *= FRESH_LR_FACTOR
         kwargs["weight_decay"] += FRESH_WEIGHT_DECAY
+    if case.tensor_lr:
+        kwargs["lr"] = torch.tensor(kwargs["lr"])
     optimizer = getattr(torch.optim, case.optimizer)(built.root.parameters(), **kwargs)
     return _Training(built, optimizer)
 
