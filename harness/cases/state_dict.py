@@ -97,7 +97,7 @@ class ResumeCase:
 
 
 MID_STEP_OPTIMIZERS = ("SGD", "Adam", "AdamW")
-"""Optimizers that keep state: SGD always with momentum 0.9."""
+"""SGD with momentum 0.9 or 0 (no state ever), Adam and AdamW."""
 MID_STEP_VIAS = ("memory", "dcp")
 """How a mid-step state dict reaches the fresh model: ``set_state_dict`` of a copy taken in
 memory, or ``dcp.save`` then ``dcp.load`` into the fresh model's own state dict."""
@@ -124,6 +124,8 @@ class MidStepCase:
     via: str
     tensor_lr: bool = False
     """The optimizer's lr given as a 0-d tensor."""
+    momentum: float = 0.9
+    """SGD's momentum: 0 keeps no state, so every state dict meets an empty optimizer."""
 
     def __post_init__(self) -> None:
         check_one_of("optimizer", self.optimizer, MID_STEP_OPTIMIZERS)
@@ -132,11 +134,17 @@ class MidStepCase:
         require(len(self.mesh_shape) in (1, 2), "mesh_shape", self.mesh_shape, "1-D or 2-D")
         check_int("at_step", self.at_step, 0)
         require(self.at_step < self.graph.steps, "at_step", self.at_step, "below graph.steps")
+        check_one_of("momentum", self.momentum, (0.0, 0.9))
+
+    @property
+    def stateless(self) -> bool:
+        """SGD without momentum: its state stays empty, every step."""
+        return self.optimizer == "SGD" and self.momentum == 0.0
 
     @property
     def optimizer_options(self) -> tuple[tuple[str, float], ...]:
         """The optimizer's keyword arguments beside its parameters."""
-        momentum = (("momentum", 0.9),) if self.optimizer == "SGD" else ()
+        momentum = (("momentum", self.momentum),) if self.optimizer == "SGD" else ()
         return (("lr", self.graph.lr), *momentum, ("weight_decay", self.weight_decay))
 
     def call(self) -> str:

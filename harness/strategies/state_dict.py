@@ -9,7 +9,6 @@ from dataclasses import replace
 from hypothesis import strategies as st
 
 from harness.cases.state_dict import (
-    MID_STEP_OPTIMIZERS,
     MID_STEP_VIAS,
     SHARDED_LAYOUTS,
     MidStepCase,
@@ -93,7 +92,9 @@ def _state_dict_cases(
         pieces = train.mesh_shape[-1] * _shard_axis(layout, train.mesh_shape)
         dims = (train.dims[0], pieces * draw(st.integers(1, 2)), train.dims[2])
         train = replace(train, dims=dims)
-    optim = draw(optim_configs(names=names, unsupported=DTENSOR_UNSUPPORTED, stateful=True))
+    optim = draw(
+        optim_configs(names=names, unsupported=DTENSOR_UNSUPPORTED, stateful=True, flags=True)
+    )
     train = replace(train, optim=replace(optim, scheduler=None), steps=draw(st.integers(*steps)))
     case = StateDictCase(train, offload=offload, pin_memory=offload and draw(sampled(pin_memory)))
     if reshard:
@@ -279,18 +280,34 @@ def _mid_step_cases(draw: st.DrawFn, world_size: int, *, first_step_dcp: bool) -
     mesh = draw(sampled(factorisations(world_size, 2)))  # 1-D, then (replicate, shard)
     factors = tuple(f for f in range(2, mesh[-1]) if mesh[-1] % f == 0)
     reshard = draw(sampled((None, True, False, *factors)))
-    optimizer = draw(sampled(MID_STEP_OPTIMIZERS))
+    # SGD without momentum as an optimizer of its own (a quarter of the draws, not an
+    # eighth): it is the one a state dict meets empty at every step
+    optimizers = (("SGD", 0.0), ("SGD", 0.9), ("Adam", 0.9), ("AdamW", 0.9))
+    optimizer, momentum = draw(sampled(optimizers))
     weight_decay = draw(sampled((0.0, 0.01)))
     set_to_none = draw(st.booleans())
     if first_step_dcp:
+        momentum = 0.9
         at_step, point, via = 0, "after_backward", "dcp"
     else:
         # two steps or three: every point has a step to take the state dict at and a step
-        # after it; a point of step 0 before its backward is drawn at a later step
+        # after it; a point of step 0 before its backward is drawn at a later step. SGD
+        # without momentum never holds state: its empty-optimizer initialisation steps
+        # with lr 0 and changes nothing, so every point and both ways are drawn for it.
         graph = replace(graph, steps=draw(st.integers(2, 3)))
-        point = draw(sampled(MID_STEP_POINTS))
-        at_step = draw(st.integers(int(initialises_optimizer(0, point)), graph.steps - 1))
-        via = draw(sampled(("memory",) if optimizer_is_empty(at_step, point) else MID_STEP_VIAS))
+        points: tuple[str, ...] = MID_STEP_POINTS
+        if reshard not in (None, True) and graph.graph.ties:
+            # Tied parameters left unsharded (or on a smaller group) after a forward: torch
+            # 2.13 and 2.15 crash copying their state dict (SIGSEGV; reshard_after_forward
+            # False) or cannot load it (a DTensor of the post-forward mesh; an int): not
+            # specced yet, so not drawn.
+            points = tuple(p for p in points if p != "after_forward")
+        point = draw(sampled(points))
+        stateless = momentum == 0.0
+        first = 0 if stateless else int(initialises_optimizer(0, point))
+        at_step = draw(st.integers(first, graph.steps - 1))
+        empty = optimizer_is_empty(at_step, point) and not stateless
+        via = draw(sampled(("memory",) if empty else MID_STEP_VIAS))
     return MidStepCase(
         graph,
         optimizer,
@@ -302,4 +319,5 @@ def _mid_step_cases(draw: st.DrawFn, world_size: int, *, first_step_dcp: bool) -
         point,
         via,
         tensor_lr=draw(st.booleans()),
+        momentum=momentum,
     )
