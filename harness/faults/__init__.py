@@ -25,6 +25,8 @@ from harness.faults import (
     blind_dtensor,
     blind_dtensor_depth,
     blind_dtensor_depth2,
+    blind_knobs,
+    blind_knobs2,
     blind_state_dict,
     blind_training,
     dtensor,
@@ -49,6 +51,8 @@ _ALL = (
     *blind_dtensor_depth2.FAULTS,
     *blind_training.FAULTS,
     *blind_state_dict.FAULTS,
+    *blind_knobs.FAULTS,
+    *blind_knobs2.FAULTS,
 )
 FAULTS: dict[str, Fault] = {fault.id: fault for fault in _ALL}
 BUILTIN = frozenset(FAULTS)
