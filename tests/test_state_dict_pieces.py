@@ -122,7 +122,7 @@ def test_plan_phases_chain_and_the_history_is_the_final_step_count(start, action
 
 def _case(layout: str = "fsdp", **changes: object) -> StateDictCase:
     train = ParityCase(
-        layout, (2,), (3, 4), True, 1, "float64", OptimConfig("Adam", "default", 0.1), 1, False, 0
+        layout, (2,), (3, 4), True, 1, "float64", OptimConfig("Adam", "default", 0.1), 1, None, 0
     )
     return replace(StateDictCase(train), **changes)  # type: ignore[arg-type]
 

@@ -92,10 +92,13 @@ def test_mid_step_cases_leave_out_the_known_deviations(data, world_size):
     if not isinstance(raf, bool | None):
         assert 1 < raf < case.mesh_shape[-1] and case.mesh_shape[-1] % raf == 0
     assert 2 <= case.graph.steps <= 3 and case.at_step < case.graph.steps
-    assert not initialises_optimizer(case.at_step, case.point)
-    assert case.via == "memory" or not optimizer_is_empty(case.at_step, case.point)
+    if not case.stateless:  # SGD without momentum: its zero-lr initialisation changes nothing
+        assert not initialises_optimizer(case.at_step, case.point)
+        assert case.via == "memory" or not optimizer_is_empty(case.at_step, case.point)
     momentum = dict(case.optimizer_options).get("momentum")
-    assert momentum == (0.9 if case.optimizer == "SGD" else None)
+    assert momentum in ((0.0, 0.9) if case.optimizer == "SGD" else (None,))
+    if case.graph.graph.ties and case.reshard_after_forward not in (None, True):
+        assert case.point != "after_forward"
     assert pickle.loads(pickle.dumps(case)) == case
     assert f"step {case.at_step} {case.point}, via {case.via}" in case.call()
 
