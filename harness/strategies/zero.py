@@ -36,12 +36,18 @@ def frozen_groups_cases(draw: st.DrawFn, world_size: int) -> FrozenGroupsCase:
         for _ in range(draw(st.integers(1, 3)))
     )
     steps = draw(st.integers(1, 3))
+    refrozen = _mask(draw, groups) if draw(st.booleans()) else None
+    switch = draw(st.integers(0, steps - 1))
+    # torch 2.13's and 2.15's fused SGD with momentum raises (TypeError, a None momentum
+    # buffer) when a parameter gets its first gradient after the first step, on one device
+    # too: not specced yet, so not drawn where a parameter is unfrozen after a step.
+    late = frozenset({("SGD", "fused")}) if refrozen is not None and switch > 0 else frozenset()
     return FrozenGroupsCase(
         groups=groups,
         frozen=_mask(draw, groups),
-        refrozen=_mask(draw, groups) if draw(st.booleans()) else None,
-        switch=draw(st.integers(0, steps - 1)),
-        optim=draw(optim_configs(groups=False)),
+        refrozen=refrozen,
+        switch=switch,
+        optim=draw(optim_configs(groups=False, unsupported=late)),
         lr_scales=tuple(draw(sampled((1.0, 0.5, 2.0))) for _ in groups),
         steps=steps,
         bucket_view=draw(st.booleans()),
