@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -100,6 +101,31 @@ def test_fused_sgd_steps_sharded_parameters(world: World, data: st.DataObject) -
 KNOBS = costly(5)
 
 
+def _fsdp_layouts(world: World) -> tuple[str, ...]:
+    """The layouts that call fully_shard; TP ones need two ranks for the TP axis."""
+    if world.world_size == 1:
+        return tuple(layout for layout in FSDP_LAYOUTS if layout not in ("fsdp_tp", "hsdp_tp"))
+    return FSDP_LAYOUTS
+
+
+def _draw_case(
+    world: World, data: st.DataObject, layouts: tuple[str, ...], **options: Any
+) -> ParityCase:
+    """A training case on one of ``layouts`` (drawn first), its optimizer one DTensors
+    serve, drawn with ``parity_cases``' ``options``."""
+    layout = data.draw(st.sampled_from(layouts), label="layout")
+    strategy = parity_cases(
+        world.world_size, layout=layout, unsupported=DTENSOR_UNSUPPORTED, **options
+    )
+    return data.draw(strategy, label="case")
+
+
+def _check_knob(world: World, data: st.DataObject, focus: str) -> None:
+    """A drawn training run with ``focus`` turned (and others sometimes) against one device."""
+    options = {"variants": True, "knob_families": KNOB_FAMILIES, "focus": focus}
+    _check(world, _draw_case(world, data, _fsdp_layouts(world), **options))
+
+
 @pytest.mark.spec("optim.fsdp.mixed_precision")
 @KNOBS
 @given(data=st.data())
@@ -108,17 +134,13 @@ def test_mixed_precision_matches_its_one_device_emulation(
 ) -> None:
     # Not under TP: a row-wise matmul's partial outputs are summed across the TP group in
     # bfloat16, a rounding one device's single matmul never does (measured: 1% of a loss).
-    layout = data.draw(st.sampled_from(("fsdp", "hsdp")), label="layout")
-    case = data.draw(
-        parity_cases(
-            world.world_size,
-            layout=layout,
-            unsupported=DTENSOR_UNSUPPORTED,
-            mixed_precision=True,
-            variants=True,
-            knob_families=KNOB_FAMILIES,
-        ),
-        label="case",
+    case = _draw_case(
+        world,
+        data,
+        ("fsdp", "hsdp"),
+        mixed_precision=True,
+        variants=True,
+        knob_families=KNOB_FAMILIES,
     )
     parity.attach(case.call())
     reference = reference_run(case)
@@ -130,29 +152,6 @@ def test_mixed_precision_matches_its_one_device_emulation(
     # value by an ulp or two (measured: at most 2 ulps after 3 steps). Pure float32 compute,
     # the defect this guards against, is ~1e-3 away.
     assert_trained_like(reference, trained, case, rtol=2e-6, atol=1e-8, why=MIXED_WHY)
-
-
-def _fsdp_layouts(world: World) -> tuple[str, ...]:
-    """The layouts that call fully_shard; TP ones need two ranks for the TP axis."""
-    if world.world_size == 1:
-        return tuple(layout for layout in FSDP_LAYOUTS if layout not in ("fsdp_tp", "hsdp_tp"))
-    return FSDP_LAYOUTS
-
-
-def _check_knob(world: World, data: st.DataObject, focus: str) -> None:
-    """A drawn training run with ``focus`` turned (and others sometimes) against one device."""
-    case = data.draw(
-        parity_cases(
-            world.world_size,
-            layout=data.draw(st.sampled_from(_fsdp_layouts(world)), label="layout"),
-            unsupported=DTENSOR_UNSUPPORTED,
-            variants=True,
-            knob_families=KNOB_FAMILIES,
-            focus=focus,
-        ),
-        label="case",
-    )
-    _check(world, case)
 
 
 @pytest.mark.spec("optim.knobs.divide_factor")
@@ -169,16 +168,7 @@ def test_gradient_divide_factor_scales_like_one_device(world: World, data: st.Da
 def test_divide_factor_by_premul_sum(world: World, data: st.DataObject) -> None:
     if "reduce_scatter.premul_sum" in world.lacks:
         pytest.skip(f"the {world.runner} runner's process group has no PreMulSum reduction")
-    case = data.draw(
-        parity_cases(
-            world.world_size,
-            layout=data.draw(st.sampled_from(("fsdp", "hsdp")), label="layout"),
-            unsupported=DTENSOR_UNSUPPORTED,
-            premul_sum=True,
-        ),
-        label="case",
-    )
-    _check(world, case)
+    _check(world, _draw_case(world, data, ("fsdp", "hsdp"), premul_sum=True))
 
 
 @pytest.mark.spec("optim.knobs.divide_factor_one_rank_shard")
@@ -187,16 +177,7 @@ def test_divide_factor_by_premul_sum(world: World, data: st.DataObject) -> None:
 def test_divide_factor_on_a_one_rank_shard_group(world: World, data: st.DataObject) -> None:
     # the layouts whose shard group can have one rank at this world size
     layouts = ("fsdp", "hsdp") if world.world_size == 1 else ("hsdp", "fsdp_tp", "hsdp_tp")
-    case = data.draw(
-        parity_cases(
-            world.world_size,
-            layout=data.draw(st.sampled_from(layouts), label="layout"),
-            unsupported=DTENSOR_UNSUPPORTED,
-            one_rank_shard=True,
-        ),
-        label="case",
-    )
-    _check(world, case)
+    _check(world, _draw_case(world, data, layouts, one_rank_shard=True))
 
 
 @pytest.mark.spec("optim.knobs.micro_batching")
@@ -230,16 +211,7 @@ def test_checkpointing_replays_dropout(world: World, data: st.DataObject) -> Non
             "threads interleave (rank processes serve this property)"
         )
     families = tuple(f for f in KNOB_FAMILIES if f != "checkpoint")  # the check turns it
-    case = data.draw(
-        parity_cases(
-            world.world_size,
-            layout=data.draw(st.sampled_from(("fsdp", "hsdp")), label="layout"),
-            unsupported=DTENSOR_UNSUPPORTED,
-            variants=True,
-            knob_families=families,
-        ),
-        label="case",
-    )
+    case = _draw_case(world, data, ("fsdp", "hsdp"), variants=True, knob_families=families)
     case = replace(case, dropout=data.draw(st.sampled_from((0.1, 0.5)), label="dropout"))
     parity.attach(f"{case.call()}, with and without checkpoint_wrapper")
     parity.note_reference("the same layout without activation checkpointing, same seeds")
@@ -261,18 +233,9 @@ def test_checkpointing_replays_dropout(world: World, data: st.DataObject) -> Non
 @KNOBS
 @given(data=st.data())
 def test_optimizer_flags_train_like_one_device(world: World, data: st.DataObject) -> None:
-    case = data.draw(
-        parity_cases(
-            world.world_size,
-            layout=data.draw(st.sampled_from(_fsdp_layouts(world)), label="layout"),
-            unsupported=DTENSOR_UNSUPPORTED,
-            variants=True,
-            optim_flags=True,
-            accelerator=world.device != "cpu",
-        ),
-        label="case",
-    )
-    _check(world, case)
+    accelerator = world.device != "cpu"
+    options = {"variants": True, "optim_flags": True, "accelerator": accelerator}
+    _check(world, _draw_case(world, data, _fsdp_layouts(world), **options))
 
 
 @pytest.mark.spec("optim.fsdp.clip_inf_norm_empty_shard")
