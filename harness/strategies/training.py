@@ -307,21 +307,31 @@ def _wrapper_options(draw: st.DrawFn, layout: str) -> tuple[tuple[str, Any], ...
     return (("reshard_after_forward", draw(st.booleans())),)
 
 
+def _layout_shapes(world_size: int, layout: str) -> tuple[tuple[int, ...], ...]:
+    """The meshes ``layout`` is drawn on at ``world_size``: ``(world,)`` for the 1-D
+    layouts; every 2-D (3-D for hsdp_tp) factorisation, those with a TP axis of 2 or more
+    where the world size has one."""
+    if layout not in ("hsdp", *TP_LAYOUTS):
+        return ((world_size,),)
+    ndim = 3 if layout == "hsdp_tp" else 2
+    shapes = [s for s in factorisations(world_size, ndim) if len(s) == ndim]
+    if layout in TP_LAYOUTS:
+        shapes = [s for s in shapes if s[-1] > 1] or shapes
+    return tuple(shapes)
+
+
 def _layout_mesh(
     draw: st.DrawFn, world_size: int, layout: str, shard: str | None = None
 ) -> tuple[int, ...]:
     """A mesh for ``layout``; ``shard="many"``: one whose shard axis has 2 ranks or more,
     ``"one"``: 1 rank, where the world size allows."""
-    if layout in ("hsdp", *TP_LAYOUTS):
-        ndim = 3 if layout == "hsdp_tp" else 2
-        shapes = [s for s in factorisations(world_size, ndim) if len(s) == ndim]
-        if layout in TP_LAYOUTS:
-            shapes = [s for s in shapes if s[-1] > 1] or shapes
-        if shard is not None:
-            many = shard == "many"
-            shapes = [s for s in shapes if (shard_size(layout, s) > 1) == many]
-        return draw(sampled(tuple(shapes)))
-    return (world_size,)
+    shapes = _layout_shapes(world_size, layout)
+    if layout not in ("hsdp", *TP_LAYOUTS):
+        return shapes[0]
+    if shard is not None:
+        many = shard == "many"
+        shapes = tuple(s for s in shapes if (shard_size(layout, s) > 1) == many)
+    return draw(sampled(shapes))
 
 
 def _check_shard_groups(
@@ -331,14 +341,7 @@ def _check_shard_groups(
     check_int("world_size", world_size)
     if not (premul_sum or one_rank_shard):
         return
-    if layout == "fsdp":
-        sizes = [world_size]
-    else:
-        ndim = 3 if layout == "hsdp_tp" else 2
-        shapes = [s for s in factorisations(world_size, ndim) if len(s) == ndim]
-        if layout in TP_LAYOUTS:
-            shapes = [s for s in shapes if s[-1] > 1] or shapes
-        sizes = [shard_size(layout, s) for s in shapes]
+    sizes = [shard_size(layout, s) for s in _layout_shapes(world_size, layout)]
     where = f"{layout!r} at world size {world_size}"
     if premul_sum:
         why = f"False for {where}: no shard group of 2 or more ranks"
