@@ -45,6 +45,12 @@ FSDP_LAYOUTS = ("fsdp", "hsdp", "fsdp_tp", "hsdp_tp")
 """Layouts that call ``fully_shard``: the ones knobs and precision policies apply to."""
 
 
+def data_parallel(layout: str, mesh: tuple[int, ...]) -> int:
+    """Ranks that see different data: all but the tensor-parallel axis."""
+    tp = mesh[-1] if layout in TP_LAYOUTS else 1
+    return math.prod(mesh) // tp
+
+
 def shard_size(layout: str, mesh: tuple[int, ...]) -> int:
     """Ranks of the mesh axis ``fully_shard`` shards over (its reduce-scatter group): the
     last axis but TP's."""
@@ -156,9 +162,7 @@ class ParityCase:
 
     @property
     def data_parallel(self) -> int:
-        """Ranks that see different data: all but the tensor-parallel axis."""
-        tp = self.mesh_shape[-1] if self.layout in TP_LAYOUTS else 1
-        return math.prod(self.mesh_shape) // tp
+        return data_parallel(self.layout, self.mesh_shape)
 
     @property
     def gradient_scale(self) -> float:

@@ -10,7 +10,7 @@ from dataclasses import replace
 from hypothesis import strategies as st
 
 from harness.cases.knobs import PRECISION_DTYPES, Knobs, Precision
-from harness.cases.training import FSDP_LAYOUTS, shard_size
+from harness.cases.training import FSDP_LAYOUTS, data_parallel, shard_size
 from harness.errors import check_one_of, check_subset
 from harness.strategies._common import factorisations, sampled
 
@@ -87,13 +87,6 @@ def draw_knobs(
     return replace(chosen, keyword_input=draw(st.booleans())), micro_batches
 
 
-def _data_parallel(layout: str, mesh: tuple[int, ...]) -> int:
-    """Ranks that see different data: every mesh axis but TP's."""
-    if layout in ("hsdp", "hsdp_tp"):
-        return mesh[0] * mesh[1]
-    return mesh[0]
-
-
 def _divide_factor(
     draw: st.DrawFn,
     chosen: Knobs,
@@ -102,7 +95,7 @@ def _divide_factor(
     reduce_dtype: str,
     premul_sum: bool,
 ) -> Knobs:
-    dp, size = _data_parallel(layout, mesh), shard_size(layout, mesh)
+    dp, size = data_parallel(layout, mesh), shard_size(layout, mesh)
     factors: tuple[float, ...] = (float(dp), float(size), 2.0 * dp, dp / 2, 1.0, 3.0)
     if premul_sum:
         factors = tuple(f for f in factors if f != size) or (size + 1.0,)
@@ -126,7 +119,7 @@ def _divide_factor(
 
 
 def _divided_twice(draw: st.DrawFn, layout: str, mesh: tuple[int, ...], reduce_dtype: str) -> Knobs:
-    dp = _data_parallel(layout, mesh)
+    dp = data_parallel(layout, mesh)
     chosen = Knobs(
         divide_factor=draw(sampled(tuple({2.0 * dp, dp / 2, 3.0} - {1.0}))),
         force_sum_reduction=reduce_dtype in ("float32", "bfloat16") or draw(st.booleans()),
