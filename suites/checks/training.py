@@ -47,8 +47,9 @@ def checkpointed_dropout_on_rank(ctx: RankContext, case: ParityCase) -> list[Tra
     """A dropout model trained under ``case.layout`` without activation checkpointing, then
     with it, this rank's generator seeded alike before each: their losses and parameters.
 
-    Only where each rank has a generator of its own (rank processes): rank threads share
-    one, and dropout's masks would depend on how they interleave."""
+    Only where each rank has a generator of its own (rank processes, or a world of one
+    rank thread): rank threads share one, and dropout's masks would depend on how they
+    interleave."""
     runs = []
     for checkpoint in (False, True):
         run = replace(case, knobs=replace(case.knobs, checkpoint=checkpoint))
