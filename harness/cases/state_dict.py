@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 from harness.cases.modules import GraphCase
 from harness.cases.training import ParityCase
-from harness.errors import check_int, check_one_of, fail, require
+from harness.errors import check_int, check_one_of, check_subset, fail, require
 from specs.resume import MID_STEP_POINTS
 
 SHARDED_LAYOUTS = ("fsdp", "hsdp", "fsdp_tp", "hsdp_tp")
@@ -126,6 +126,10 @@ class MidStepCase:
     """The optimizer's lr given as a 0-d tensor."""
     momentum: float = 0.9
     """SGD's momentum: 0 keeps no state, so every state dict meets an empty optimizer."""
+    probe_points: tuple[str, ...] = ()
+    """Points of every step where the run that takes the state dict also takes one and drops
+    it (a read that must change nothing); where taking one would initialise a stateful
+    optimizer (``specs.resume.initialises_optimizer``) none is taken."""
 
     def __post_init__(self) -> None:
         check_one_of("optimizer", self.optimizer, MID_STEP_OPTIMIZERS)
@@ -135,6 +139,7 @@ class MidStepCase:
         check_int("at_step", self.at_step, 0)
         require(self.at_step < self.graph.steps, "at_step", self.at_step, "below graph.steps")
         check_one_of("momentum", self.momentum, (0.0, 0.9))
+        check_subset("probe_points", self.probe_points, MID_STEP_POINTS)
 
     @property
     def stateless(self) -> bool:
@@ -151,11 +156,14 @@ class MidStepCase:
         graph = self.graph
         options = ", ".join(f"{k}={v}" for k, v in self.optimizer_options)
         mesh = f"HSDP mesh {self.mesh_shape}" if len(self.mesh_shape) == 2 else "1-D mesh"
+        probes = ""
+        if self.probe_points:
+            probes = f"; also taken and dropped at {', '.join(self.probe_points)} of every step"
         return (
             f"{graph.graph.describe()}, width {graph.width}, batch {graph.batch_per_rank}/rank; "
             f"fully_shard({mesh}, reshard_after_forward={self.reshard_after_forward}); "
             f"{graph.steps} step(s) of {self.optimizer}({options})"
             f"{' with a tensor lr' if self.tensor_lr else ''}, "
             f"zero_grad(set_to_none={self.set_to_none}); state dict at step {self.at_step} "
-            f"{self.point}, via {self.via}"
+            f"{self.point}, via {self.via}{probes}"
         )

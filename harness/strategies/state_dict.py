@@ -266,6 +266,8 @@ def mid_step_cases(
     backward, where taking the state dict steps the empty optimizer once with lr 0
     (``specs.resume.initialises_optimizer``; state_dict.optim.get_has_no_side_effect), and
     DCP while the optimizer is empty (state_dict.resume.mid_step_empty_optimizer_dcp).
+    Half the cases also take a state dict, and drop it, at every point of every step that
+    may be drawn (``MidStepCase.probe_points``).
     ``first_step_dcp``: only that case, DCP between the first backward and first step()."""
     check_int("world_size", world_size)
     require(isinstance(first_step_dcp, bool), "first_step_dcp", first_step_dcp, "a bool")
@@ -286,6 +288,7 @@ def _mid_step_cases(draw: st.DrawFn, world_size: int, *, first_step_dcp: bool) -
     optimizer, momentum = draw(sampled(optimizers))
     weight_decay = draw(sampled((0.0, 0.01)))
     set_to_none = draw(st.booleans())
+    points: tuple[str, ...] = ()  # first_step_dcp: its one state dict, nothing else
     if first_step_dcp:
         momentum = 0.9
         at_step, point, via = 0, "after_backward", "dcp"
@@ -295,7 +298,7 @@ def _mid_step_cases(draw: st.DrawFn, world_size: int, *, first_step_dcp: bool) -
         # without momentum never holds state: its empty-optimizer initialisation steps
         # with lr 0 and changes nothing, so every point and both ways are drawn for it.
         graph = replace(graph, steps=draw(st.integers(2, 3)))
-        points: tuple[str, ...] = MID_STEP_POINTS
+        points = MID_STEP_POINTS
         if reshard not in (None, True) and graph.graph.ties:
             # Tied parameters left unsharded (or on a smaller group) after a forward: torch
             # 2.13 and 2.15 crash copying their state dict (SIGSEGV; reshard_after_forward
@@ -320,4 +323,5 @@ def _mid_step_cases(draw: st.DrawFn, world_size: int, *, first_step_dcp: bool) -
         via,
         tensor_lr=draw(st.booleans()),
         momentum=momentum,
+        probe_points=points if draw(st.booleans()) else (),
     )

@@ -26,7 +26,7 @@ from harness import RankContext
 from harness.cases.state_dict import MidStepCase
 from harness.torchkit.dtensor import full_array, tensor_from
 from harness.torchkit.module_graphs import BuiltGraph, build_graph, graph_batch
-from specs.resume import resume_step
+from specs.resume import initialises_optimizer, resume_step
 from suites.checks.fsdp_graphs import roots_of
 from suites.checks.state_dict import (
     FRESH_LR_FACTOR,
@@ -110,15 +110,25 @@ def uninterrupted_on_rank(ctx: RankContext, case: MidStepCase) -> Run:
     return _steps(ctx, case, build(ctx, case), 0, _nothing)
 
 
+def _initialises(case: MidStepCase, step: int, point: str) -> bool:
+    """Whether a state dict taken there creates the optimizer's state (a stateful optimizer
+    at step 0 before its backward): spec state_dict.optim.get_has_no_side_effect's deviation,
+    not this suite's."""
+    return not case.stateless and initialises_optimizer(step, point)
+
+
 def interrupted_on_rank(ctx: RankContext, case: MidStepCase, directory: str) -> tuple[Run, Run]:
     """Every step, the state dict taken at the case's point (a copy kept in memory, or
-    saved with DCP under ``directory``); then a fresh model and optimizer loaded from it
-    run the steps from ``specs.resume.resume_step`` on. (The original run, the resumed)."""
+    saved with DCP under ``directory``) and at its probe points (dropped); then a fresh
+    model and optimizer loaded from it run the steps from ``specs.resume.resume_step`` on.
+    (The original run, the resumed)."""
     original = build(ctx, case)
     kept: list[tuple[dict[str, Any], dict[str, Any]]] = []
 
     def take(step: int, point: str) -> None:
         if (step, point) != (case.at_step, case.point):
+            if point in case.probe_points and not _initialises(case, step, point):
+                get_state_dict(original.built.root, original.optimizer)  # dropped
             return
         model_sd, optim_sd = get_state_dict(original.built.root, original.optimizer)
         if case.via == "dcp":
