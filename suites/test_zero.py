@@ -5,6 +5,8 @@ Step parity, lr schedulers and foreach/fused optimizers are in test_optim_parity
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -12,6 +14,7 @@ from hypothesis import strategies as st
 
 from harness import World, parity
 from harness.cases.training import OptimConfig, OverlapCase, ParityCase, PartitionCase
+from harness.cases.zero import FrozenGroupsCase
 from harness.parity import assert_close, assert_equal_values, failure
 from harness.profiles import property_settings
 from harness.strategies import (
@@ -321,9 +324,26 @@ def test_sharded_buckets_that_fit_match_ddp_local_sgd(world: World, data: st.Dat
 def test_frozen_parameters_in_groups_step_like_one_device(
     world: World, data: st.DataObject
 ) -> None:
-    case = data.draw(frozen_groups_cases(world.world_size), label="case")
+    _check_frozen(world, data.draw(frozen_groups_cases(world.world_size), label="case"))
+
+
+@pytest.mark.spec("zero.param_groups.late_first_grad_fused_sgd")
+@PROPERTY
+@given(data=st.data())
+def test_a_parameter_unfrozen_after_the_first_step_steps_under_fused_sgd(
+    world: World, data: st.DataObject
+) -> None:
+    case = data.draw(frozen_groups_cases(world.world_size, late_fused_sgd=True), label="case")
+    _check_frozen(world, case, reference=replace(case.optim, impl="default"))
+
+
+def _check_frozen(
+    world: World, case: FrozenGroupsCase, reference: OptimConfig | None = None
+) -> None:
+    """ZeRO's steps on every rank against ``reference`` (the case's optimizer unless given)
+    on one device."""
     parity.attach(case.call())
-    expected = checks.reference_frozen(case)
+    expected = checks.reference_frozen(replace(case, optim=reference or case.optim))
     for rank, params in enumerate(world.run(checks.zero_frozen_on_rank, case)):
         _assert_params(params, expected, f"rank {rank}")
 

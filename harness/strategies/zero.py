@@ -8,12 +8,19 @@ from hypothesis import strategies as st
 
 from harness.cases.training import OverlapCase
 from harness.cases.zero import FrozenGroupsCase
-from harness.errors import check_int
+from harness.errors import check_int, require
 from harness.strategies._common import mix, sampled, seeds, takes_world_size
 from harness.strategies.training import optim_configs
 from specs.zero_overlap import fits
 
 _FROZEN = mix((2, st.just(False)), (1, st.just(True)))
+_LATE_FUSED_SGD = frozenset({("SGD", "fused")})
+
+
+def _set_first(mask: tuple[tuple[bool, ...], ...], value: bool) -> tuple[tuple[bool, ...], ...]:
+    """``mask`` with its first parameter's flag set to ``value``."""
+    first, *rest = mask
+    return ((value, *first[1:]), *rest)
 
 
 def _shape(draw: st.DrawFn, world_size: int) -> tuple[int, ...]:
@@ -26,28 +33,46 @@ def _mask(
     return tuple(tuple(draw(_FROZEN) for _ in group) for group in groups)
 
 
+def frozen_groups_cases(
+    world_size: int, *, late_fused_sgd: bool = False
+) -> st.SearchStrategy[FrozenGroupsCase]:
+    """1-3 groups of 1-4 parameters (sizes around ``world_size``, so some ranks own none),
+    about a third frozen, sometimes another third from a drawn step on.
+
+    Fused SGD with momentum is not drawn where a parameter is unfrozen after the first step:
+    torch 2.13 and 2.15 raise there, on one device too (spec
+    zero.param_groups.late_first_grad_fused_sgd). ``late_fused_sgd``: only that path, fused
+    SGD with momentum and a parameter (the first) frozen until a step after the first."""
+    check_int("world_size", world_size)
+    require(isinstance(late_fused_sgd, bool), "late_fused_sgd", late_fused_sgd, "a bool")
+    return _frozen_groups_cases(world_size, late_only=late_fused_sgd)
+
+
 @takes_world_size
 @st.composite
-def frozen_groups_cases(draw: st.DrawFn, world_size: int) -> FrozenGroupsCase:
-    """1-3 groups of 1-4 parameters (sizes around ``world_size``, so some ranks own none),
-    about a third frozen, sometimes another third from a drawn step on."""
+def _frozen_groups_cases(draw: st.DrawFn, world_size: int, *, late_only: bool) -> FrozenGroupsCase:
     groups = tuple(
         tuple(_shape(draw, world_size) for _ in range(draw(st.integers(1, 4))))
         for _ in range(draw(st.integers(1, 3)))
     )
-    steps = draw(st.integers(1, 3))
-    refrozen = _mask(draw, groups) if draw(st.booleans()) else None
-    switch = draw(st.integers(0, steps - 1))
-    # torch 2.13's and 2.15's fused SGD with momentum raises (TypeError, a None momentum
-    # buffer) when a parameter gets its first gradient after the first step, on one device
-    # too: not specced yet, so not drawn where a parameter is unfrozen after a step.
-    late = frozenset({("SGD", "fused")}) if refrozen is not None and switch > 0 else frozenset()
+    steps = draw(st.integers(2 if late_only else 1, 3))
+    frozen = _mask(draw, groups)
+    refrozen = _mask(draw, groups) if late_only or draw(st.booleans()) else None
+    switch = draw(st.integers(1 if late_only else 0, steps - 1))
+    if late_only:
+        assert refrozen is not None
+        frozen, refrozen = _set_first(frozen, True), _set_first(refrozen, False)
+        optim = draw(optim_configs(names=("SGD",), impls=("fused",), stateful=True, groups=False))
+    else:
+        late = refrozen is not None and switch > 0
+        unsupported = _LATE_FUSED_SGD if late else frozenset()
+        optim = draw(optim_configs(groups=False, unsupported=unsupported))
     return FrozenGroupsCase(
         groups=groups,
-        frozen=_mask(draw, groups),
+        frozen=frozen,
         refrozen=refrozen,
         switch=switch,
-        optim=draw(optim_configs(groups=False, unsupported=late)),
+        optim=optim,
         lr_scales=tuple(draw(sampled((1.0, 0.5, 2.0))) for _ in groups),
         steps=steps,
         bucket_view=draw(st.booleans()),
