@@ -28,7 +28,7 @@ from harness import World, parity
 from harness.cases.state_dict import MidStepCase
 from harness.parity import assert_array_equal, assert_equal_values
 from harness.profiles import costly
-from harness.strategies import mid_step_cases
+from harness.strategies import mid_step_cases, tied_after_forward_cases
 from specs import resume
 from suites.checks import state_dict_steps as steps
 from suites.checks.state_dict import assert_same_state
@@ -85,3 +85,23 @@ def test_dcp_checkpoint_between_the_first_backward_and_step_resumes(
 ) -> None:
     case = data.draw(mid_step_cases(world.world_size, first_step_dcp=True), label="case")
     _check_mid_step(world, case)
+
+
+@pytest.mark.spec("state_dict.sharded.tied_after_forward")
+@PROPERTY
+@given(data=st.data())
+def test_a_tied_parameter_left_unsharded_is_in_the_state_dict_sharded(
+    world: World, data: st.DataObject
+) -> None:
+    case = data.draw(tied_after_forward_cases(world.world_size), label="case")
+    parity.attach(case.call())
+    for rank, (taken, params) in enumerate(world.run(steps.tied_after_forward_on_rank, case)):
+        assert_equal_values(sorted(taken), sorted(params), what=f"names on rank {rank}")
+        for name, param in params.items():
+            got, what = taken[name], f"state dict entry {name!r} on rank {rank}"
+            # (class, mesh, placements, storage) first: the values of a tensor whose storage
+            # was freed are never read
+            assert_equal_values(got.described(), param.described(), what=what)
+            if got.local is not None and param.local is not None:
+                # exact: taking a state dict copies nothing
+                assert_array_equal(got.local, param.local, what=f"local values of {what}")

@@ -167,3 +167,52 @@ class MidStepCase:
             f"zero_grad(set_to_none={self.set_to_none}); state dict at step {self.at_step} "
             f"{self.point}, via {self.via}{probes}"
         )
+
+
+TIED_VIAS = ("state_dict", "get_model_state_dict")
+"""How the state dict is taken: ``Module.state_dict()`` or DSD's ``get_model_state_dict``."""
+
+
+@dataclass(frozen=True)
+class TiedAfterForwardCase:
+    """Two ``width``-feature Linears whose weights are one parameter (``second.weight =
+    first.weight``), in one ``fully_shard`` group listed in the model's order or reversed,
+    under a root ``fully_shard``, on a 1-D or (replicate, shard) mesh with
+    ``reshard_after_forward`` False or an int (both keep the parameters unsharded, or on a
+    smaller group, after the forward); one forward, then the model's state dict."""
+
+    mesh_shape: tuple[int, ...]
+    width: int
+    reshard_after_forward: bool | int
+    reversed_group: bool
+    """``fully_shard([second, first])``: the group's parameter is registered to ``second``,
+    the module that holds it second in the model's order."""
+    via: str
+    seed: int
+
+    def __post_init__(self) -> None:
+        require(len(self.mesh_shape) in (1, 2), "mesh_shape", self.mesh_shape, "1-D or 2-D")
+        check_int("width", self.width)
+        keeps = self.reshard_after_forward is False or (
+            isinstance(self.reshard_after_forward, int)
+            and not isinstance(self.reshard_after_forward, bool)
+            and self.reshard_after_forward > 1
+            and self.mesh_shape[-1] % self.reshard_after_forward == 0
+        )
+        require(
+            keeps,
+            "reshard_after_forward",
+            self.reshard_after_forward,
+            "False or a factor above 1 of the shard axis",
+        )
+        check_one_of("via", self.via, TIED_VIAS)
+
+    def call(self) -> str:
+        group = "[second, first]" if self.reversed_group else "[first, second]"
+        mesh = f"HSDP mesh {self.mesh_shape}" if len(self.mesh_shape) == 2 else "1-D mesh"
+        return (
+            f"first, second = Linear({self.width}, {self.width}, bias=False), "
+            f"Linear({self.width}, {self.width}); second.weight = first.weight; "
+            f"fully_shard({group}, {mesh}, reshard_after_forward={self.reshard_after_forward}); "
+            f"fully_shard(Sequential(first, second)); a forward; {self.via}() (seed {self.seed})"
+        )

@@ -68,6 +68,7 @@ from harness.strategies.state_dict import (
     resume_cases,
     state_dict_cases,
     strided_meshes,
+    tied_after_forward_cases,
     uneven_strided_cases,
 )
 from harness.strategies.tp import (
@@ -155,6 +156,7 @@ __all__ = [
     "strided_disagreement_world_sizes",
     "strided_meshes",
     "sync_cases",
+    "tied_after_forward_cases",
     "tied_cases",
     "torch_init_cases",
     "tp_cases",

@@ -11,14 +11,16 @@ from hypothesis import strategies as st
 from harness.cases.state_dict import (
     MID_STEP_VIAS,
     SHARDED_LAYOUTS,
+    TIED_VIAS,
     MidStepCase,
     ReshardCase,
     ResumeCase,
     StateDictCase,
+    TiedAfterForwardCase,
 )
 from harness.cases.training import OPTIMIZERS, TP_LAYOUTS
 from harness.errors import check_int, check_one_of, check_subset, require
-from harness.strategies._common import factorisations, sampled, takes_world_size
+from harness.strategies._common import factorisations, sampled, seeds, takes_world_size
 from harness.strategies.modules import graph_cases
 from harness.strategies.training import DTENSOR_UNSUPPORTED, optim_configs, parity_cases
 from specs.resume import (
@@ -301,9 +303,9 @@ def _mid_step_cases(draw: st.DrawFn, world_size: int, *, first_step_dcp: bool) -
         points = MID_STEP_POINTS
         if reshard not in (None, True) and graph.graph.ties:
             # Tied parameters left unsharded (or on a smaller group) after a forward: torch
-            # 2.13 and 2.15 crash copying their state dict (SIGSEGV; reshard_after_forward
-            # False) or cannot load it (a DTensor of the post-forward mesh; an int): not
-            # specced yet, so not drawn.
+            # 2.13 and 2.15 put a freed tensor (reshard_after_forward False; reading it is a
+            # SIGSEGV) or a DTensor of the post-forward mesh (an int) in the state dict
+            # under one of their names: spec state_dict.sharded.tied_after_forward.
             points = tuple(p for p in points if p != "after_forward")
         point = draw(sampled(points))
         stateless = momentum == 0.0
@@ -324,4 +326,22 @@ def _mid_step_cases(draw: st.DrawFn, world_size: int, *, first_step_dcp: bool) -
         tensor_lr=draw(st.booleans()),
         momentum=momentum,
         probe_points=points if draw(st.booleans()) else (),
+    )
+
+
+@takes_world_size
+@st.composite
+def tied_after_forward_cases(draw: st.DrawFn, world_size: int) -> TiedAfterForwardCase:
+    """A tied pair of Linears in one ``fully_shard`` group (either order) on a 1-D or
+    (replicate, shard) mesh of ``world_size`` ranks, left unsharded after the forward
+    (``reshard_after_forward=False``) or on a smaller group (a factor of the shard axis)."""
+    mesh = draw(sampled(factorisations(world_size, 2)))
+    factors = tuple(f for f in range(2, mesh[-1]) if mesh[-1] % f == 0)
+    return TiedAfterForwardCase(
+        mesh_shape=mesh,
+        width=draw(st.integers(1, 2 * world_size + 1)),
+        reshard_after_forward=draw(sampled((False, *factors))),
+        reversed_group=draw(st.booleans()),
+        via=draw(sampled(TIED_VIAS)),
+        seed=draw(seeds()),
     )

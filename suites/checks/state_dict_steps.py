@@ -17,14 +17,20 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from harness import RankContext
-from harness.cases.state_dict import MidStepCase
-from harness.torchkit.dtensor import full_array, tensor_from
+from harness.cases.state_dict import MidStepCase, TiedAfterForwardCase
+from harness.torchkit.dtensor import full_array, tensor_from, to_numpy
 from harness.torchkit.module_graphs import BuiltGraph, build_graph, graph_batch
 from specs.resume import initialises_optimizer, resume_step
 from suites.checks.fsdp_graphs import roots_of
@@ -149,3 +155,57 @@ def interrupted_on_rank(ctx: RankContext, case: MidStepCase, directory: str) -> 
     )
     first = resume_step(case.at_step, case.point)
     return continued, _steps(ctx, case, fresh, first, _nothing)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What a tensor is, told without reading values its storage does not hold: its
+    class, its mesh's shape and placements (a DTensor), whether its storage holds its
+    (local) elements, and those elements when it does."""
+
+    kind: str
+    mesh_shape: tuple[int, ...] | None
+    placements: str | None
+    stored: bool
+    local: np.ndarray | None
+
+    def described(self) -> tuple[str, tuple[int, ...] | None, str | None, bool]:
+        return (self.kind, self.mesh_shape, self.placements, self.stored)
+
+
+def entry(value: torch.Tensor) -> Entry:
+    """``value`` as an ``Entry``. A plain tensor whose storage an FSDP reshard freed keeps
+    its shape: reading it would read freed memory (a SIGSEGV, or garbage)."""
+    local = value.to_local() if isinstance(value, DTensor) else value
+    needed = (local.storage_offset() + local.numel()) * local.element_size()
+    stored = local.numel() == 0 or local.untyped_storage().nbytes() >= needed
+    if isinstance(value, DTensor):
+        mesh, placements = tuple(value.device_mesh.shape), repr(value.placements)
+        return Entry("DTensor", mesh, placements, stored, to_numpy(local) if stored else None)
+    return Entry(type(value).__name__, None, None, stored, to_numpy(local) if stored else None)
+
+
+def tied_after_forward_on_rank(
+    ctx: RankContext, case: TiedAfterForwardCase
+) -> tuple[dict[str, Entry], dict[str, Entry]]:
+    """The case's tied pair after one forward: each entry of its state dict, and each
+    parameter (every name of the tied one) as it is once the state dict is taken."""
+    generator = torch.Generator().manual_seed(case.seed)
+    first = nn.Linear(case.width, case.width, bias=False, device=ctx.device)
+    second = nn.Linear(case.width, case.width, device=ctx.device)
+    with torch.no_grad():
+        for param in (first.weight, second.bias):
+            param.copy_(torch.randn(param.shape, generator=generator))
+    second.weight = first.weight
+    model = nn.Sequential(first, second)
+    names = HSDP_NAMES if len(case.mesh_shape) == 2 else None
+    mesh = ctx.mesh(case.mesh_shape, names)
+    group: list[nn.Module] = [second, first] if case.reversed_group else [first, second]
+    fully_shard(group, mesh=mesh, reshard_after_forward=case.reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=case.reshard_after_forward)
+    model(torch.ones(2, case.width, device=ctx.device))
+    taken: dict[str, Any] = (
+        model.state_dict() if case.via == "state_dict" else get_model_state_dict(model)
+    )
+    held = model.named_parameters(remove_duplicate=False)
+    return {k: entry(v) for k, v in taken.items()}, {k: entry(p) for k, p in held}
