@@ -1,5 +1,5 @@
 """The pieces behind the state_dict_steps suite: the mid-step part of the resume model
-(specs.resume), MidStepCase and mid_step_cases."""
+(specs.resume), MidStepCase and mid_step_cases, TiedAfterForwardCase and its strategy."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness.cases.modules import GraphCase
-from harness.cases.state_dict import MidStepCase
+from harness.cases.state_dict import MidStepCase, TiedAfterForwardCase
 from harness.errors import InvalidArgument
-from harness.strategies import mid_step_cases
+from harness.strategies import mid_step_cases, tied_after_forward_cases
 from specs.modules import ModuleGraph, Node, Wrap
 from specs.resume import (
     MID_STEP_POINTS,
@@ -39,6 +39,11 @@ def _case(**changes: object) -> MidStepCase:
         "after_forward",
         "dcp",
     )
+    return replace(case, **changes)  # type: ignore[arg-type]
+
+
+def _tied(**changes: object) -> TiedAfterForwardCase:
+    case = TiedAfterForwardCase((4,), 2, 2, True, "state_dict", 0)
     return replace(case, **changes)  # type: ignore[arg-type]
 
 
@@ -74,7 +79,12 @@ def test_gradients_are_held_as_zero_grad_leaves_them():
         (lambda: _case(via="disk"), "via='disk' must be one of"),
         (lambda: _case(at_step=2), "at_step=2 must be below graph.steps"),
         (lambda: _case(mesh_shape=(1, 1, 2)), r"mesh_shape=\(1, 1, 2\) must be 1-D or 2-D"),
+        (lambda: _case(probe_points=("after_step",)), r"probe_points=\('after_step',\)"),
+        (lambda: _tied(reshard_after_forward=True), "reshard_after_forward=True must be False"),
+        (lambda: _tied(reshard_after_forward=3), "reshard_after_forward=3 must be False"),
+        (lambda: _tied(via="disk"), "via='disk' must be one of"),
         (lambda: mid_step_cases(0), "world_size=0"),
+        (lambda: tied_after_forward_cases(0), "world_size=0"),
         (lambda: mid_step_cases(2, first_step_dcp=1), "first_step_dcp=1 must be a bool"),
     ],
 )
@@ -98,7 +108,8 @@ def test_mid_step_cases_leave_out_the_known_deviations(data, world_size):
     momentum = dict(case.optimizer_options).get("momentum")
     assert momentum in ((0.0, 0.9) if case.optimizer == "SGD" else (None,))
     if case.graph.graph.ties and case.reshard_after_forward not in (None, True):
-        assert case.point != "after_forward"
+        assert case.point != "after_forward" and "after_forward" not in case.probe_points
+    assert case.probe_points in ((), tuple(p for p in MID_STEP_POINTS if p in case.probe_points))
     assert pickle.loads(pickle.dumps(case)) == case
     assert f"step {case.at_step} {case.point}, via {case.via}" in case.call()
 
@@ -108,3 +119,14 @@ def test_mid_step_cases_leave_out_the_known_deviations(data, world_size):
 def test_first_step_dcp_cases_are_the_deviation_only(data, world_size):
     case = data.draw(mid_step_cases(world_size, first_step_dcp=True))
     assert (case.at_step, case.point, case.via) == (0, "after_backward", "dcp")
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), world_size=st.integers(1, 4))
+def test_tied_after_forward_cases_keep_the_parameters_unsharded_after_the_forward(data, world_size):
+    case = data.draw(tied_after_forward_cases(world_size))
+    assert math.prod(case.mesh_shape) == world_size and len(case.mesh_shape) in (1, 2)
+    raf = case.reshard_after_forward
+    assert raf is False or (1 < raf < case.mesh_shape[-1] and case.mesh_shape[-1] % raf == 0)
+    assert pickle.loads(pickle.dumps(case)) == case
+    assert ("[second, first]" in case.call()) == case.reversed_group

@@ -11,6 +11,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from harness.cases.training import LAYOUTS, TP_LAYOUTS, OptimConfig, ParityCase
+from harness.errors import InvalidArgument
 from harness.strategies.training import (
     optim_configs,
     params_cases,
@@ -18,6 +19,7 @@ from harness.strategies.training import (
     partition_cases,
     step_cases,
 )
+from harness.strategies.zero import frozen_groups_cases
 from harness.torchkit.models import build_mlp
 from harness.torchkit.optim import build_optimizer, param_groups, reference_run
 from specs.zero import partition, rank_totals
@@ -171,3 +173,30 @@ def test_params_cases_with_momentum_keep_state(world_size, data):
     case = data.draw(params_cases(world_size, momentum=True))
     assert dict(case.optim.options)["momentum"] > 0
     assert 0 <= case.recipient < world_size
+
+
+def _unfrozen_late(frozen, refrozen) -> bool:
+    return any(
+        before and not after
+        for group, regroup in zip(frozen, refrozen, strict=True)
+        for before, after in zip(group, regroup, strict=True)
+    )
+
+
+@settings(max_examples=100)
+@given(world_size=st.integers(1, 4), late=st.booleans(), data=st.data())
+def test_fused_sgd_meets_a_late_first_gradient_only_when_asked(world_size, late, data):
+    case = data.draw(frozen_groups_cases(world_size, late_fused_sgd=late))
+    fused_momentum = (case.optim.name, case.optim.impl) == ("SGD", "fused")
+    fused_momentum = fused_momentum and dict(case.optim.options)["momentum"] > 0
+    late_grad = case.refrozen is not None and case.switch > 0
+    late_grad = late_grad and _unfrozen_late(case.frozen, case.refrozen)
+    if late:
+        assert fused_momentum and late_grad
+    else:
+        assert not (fused_momentum and late_grad)
+
+
+def test_frozen_groups_cases_refuse_a_non_bool_option():
+    with pytest.raises(InvalidArgument, match="late_fused_sgd=1 must be a bool"):
+        frozen_groups_cases(2, late_fused_sgd=1)
