@@ -13,11 +13,13 @@ these 7 survived: distributed_recompute_rng_not_restored (no model had dropout),
 init_optim_state_zeroes_tensor_lr and init_optim_state_wipes_grads (no state dict was taken
 inside a step or with a tensor lr), shared_param_loaded_per_alias and
 trainability_change_not_rebucketed. Now caught: the recompute fault by
-optim.knobs.checkpointing_dropout (rank processes only: rank threads share one generator),
-the others by state_dict.resume.mid_step, hsdp.fully_shard.save_load (tied weights) and
-zero.param_groups.frozen; init_optim_state_zeroes_tensor_lr only at the nightly profile
-(its path, a stateless optimizer with a tensor lr at a point without gradients, is one
-draw in twenty-five).
+optim.knobs.checkpointing_dropout (on rank processes, and on threads in a world of one: rank
+threads share one generator), the others by state_dict.resume.mid_step,
+hsdp.fully_shard.save_load (tied weights) and zero.param_groups.frozen. At first
+init_optim_state_zeroes_tensor_lr was caught only at the nightly profile (its path, a
+stateless optimizer with a tensor lr at a point without gradients, was one draw in
+twenty-five); since half the mid-step cases also take a state dict at every point of every
+step, the ci profile catches it within 7 examples.
 
 Each patch was written for torch 2.13: a target that is gone raises FaultError when applied.
 """
