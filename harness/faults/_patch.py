@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +74,31 @@ def forcing_argument(name: str, value: Any) -> Callable[[Callable[..., Any]], Ca
             return original(*bound.args, **bound.kwargs)
 
         return forced
+
+    return wrap
+
+
+def rewritten(*edits: tuple[str, str]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A ``Patch.wrap`` that recompiles a function (or method) from its own source with each
+    ``old`` line replaced by ``new`` (each ``old`` must occur exactly once), in the function's
+    own module globals (decorators are re-applied; the module itself is not touched)."""
+
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        function = inspect.unwrap(original)
+        source = textwrap.dedent(inspect.getsource(function))
+        for old, new in edits:
+            if source.count(old) != 1:
+                raise FaultError(
+                    f"{function.__module__}.{function.__qualname__}: expected exactly one "
+                    f"occurrence of {old.strip()!r} in torch's source; the fault was written "
+                    "for torch 2.13 and must be updated"
+                )
+            source = source.replace(old, new)
+        namespace: dict[str, Any] = {}
+        code = compile(source, inspect.getsourcefile(function) or "<fault>", "exec")
+        exec(code, function.__globals__, namespace)  # recompiling torch's own code
+        recompiled: Callable[..., Any] = namespace[function.__name__]
+        return recompiled
 
     return wrap
 

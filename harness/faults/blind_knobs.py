@@ -29,8 +29,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from harness.faults._patch import Fault, Patch
-from harness.faults.blind_training import _rewritten
+from harness.faults._patch import Fault, Patch, rewritten
 
 _COLLECTIVES = "torch.distributed.fsdp._fully_shard._fsdp_collectives"
 _PARAM = "torch.distributed.fsdp._fully_shard._fsdp_param"
@@ -295,7 +294,7 @@ FAULTS = (
         summary="when the reduce-scatter group has one rank (HSDP with shard size 1, a "
         "one-rank FSDP mesh), foreach_reduce copies the gradient without dividing by "
         "set_gradient_divide_factor",
-        patches=(Patch(f"{_PARAM_GROUP}:foreach_reduce", _rewritten(_SINGLE_RANK_DIVIDE_EDIT)),),
+        patches=(Patch(f"{_PARAM_GROUP}:foreach_reduce", rewritten(_SINGLE_RANK_DIVIDE_EDIT)),),
     ),
     # https://github.com/pytorch/pytorch/pull/125484 ("we need to perform an accumulation step
     # after reduce-scatter and before all-reduce. If not, then the preceding microbatch's
@@ -308,7 +307,7 @@ FAULTS = (
         "reduce-scattered partial sums after the last micro-batch's replicate all-reduce, so "
         "each replica keeps its own earlier micro-batches",
         patches=(
-            Patch(f"{_PARAM_GROUP}:foreach_reduce", _rewritten(*_PARTIAL_AFTER_ALL_REDUCE_EDITS)),
+            Patch(f"{_PARAM_GROUP}:foreach_reduce", rewritten(*_PARTIAL_AFTER_ALL_REDUCE_EDITS)),
         ),
     ),
     # https://github.com/pytorch/pytorch/pull/125191 ("[FSDP2] Accumulated in reduce_dtype if
@@ -386,7 +385,7 @@ FAULTS = (
         summary="FSDP2's lazy init re-pads every unevenly sharded parameter into a new local "
         "tensor even when it is already padded, so a state_dict() (or any reference to the "
         "local shards) taken before the first forward stops tracking training",
-        patches=(Patch(f"{_PARAM}:FSDPParam.reset_sharded_param", _rewritten(_REPAD_ALWAYS_EDIT)),),
+        patches=(Patch(f"{_PARAM}:FSDPParam.reset_sharded_param", rewritten(_REPAD_ALWAYS_EDIT)),),
     ),
     # https://github.com/pytorch/pytorch/pull/120351 ("[FSDP2] Added initial meta-device init
     # support": _apply must pad new local tensors and use the padded ones).
@@ -398,7 +397,7 @@ FAULTS = (
         "padded copy becomes the all-gather source but the DTensor parameter keeps its old "
         "local tensor, so reset_parameters() and optimizer steps never reach forward",
         patches=(
-            Patch(f"{_PARAM}:FSDPParam.reset_sharded_param", _rewritten(_PADDED_NOT_REBOUND_EDIT)),
+            Patch(f"{_PARAM}:FSDPParam.reset_sharded_param", rewritten(_PADDED_NOT_REBOUND_EDIT)),
         ),
     ),
 )

@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import inspect
 import math
-import textwrap
 from collections.abc import Callable
 from typing import Any
 
-from harness.errors import FaultError
-from harness.faults._patch import Fault, Patch
+from harness.faults._patch import Fault, Patch, rewritten
 
 _COMMON = "torch.distributed.fsdp._fully_shard._fsdp_common"
 _PARAM = "torch.distributed.fsdp._fully_shard._fsdp_param"
@@ -40,31 +38,6 @@ def _is_dtensor(tensor: Any) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)
-
-
-def _rewritten(*edits: tuple[str, str]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A ``Patch.wrap`` that recompiles a module-level function from its own source with each
-    ``old`` line replaced by ``new`` (each ``old`` must occur exactly once), in the function's
-    own module globals (decorators are re-applied; the module itself is not touched)."""
-
-    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
-        function = inspect.unwrap(original)
-        source = textwrap.dedent(inspect.getsource(function))
-        for old, new in edits:
-            if source.count(old) != 1:
-                raise FaultError(
-                    f"{function.__module__}.{function.__qualname__}: expected exactly one "
-                    f"occurrence of {old.strip()!r} in torch's source; the fault was written "
-                    "for torch 2.13 and must be updated"
-                )
-            source = source.replace(old, new)
-        namespace: dict[str, Any] = {}
-        code = compile(source, inspect.getsourcefile(function) or "<fault>", "exec")
-        exec(code, function.__globals__, namespace)  # recompiling torch's own code
-        recompiled: Callable[..., Any] = namespace[function.__name__]
-        return recompiled
-
-    return wrap
 
 
 # --- FSDP2 -----------------------------------------------------------------------------------
@@ -220,7 +193,7 @@ FAULTS = (
         "the parameter's real (unpadded) shard numel, so on a rank whose shard of an unevenly "
         "sharded parameter is padded, every later parameter's gradient is read from the wrong "
         "place",
-        patches=(Patch(f"{_PARAM_GROUP}:foreach_reduce", _rewritten(_OFFSET_EDIT)),),
+        patches=(Patch(f"{_PARAM_GROUP}:foreach_reduce", rewritten(_OFFSET_EDIT)),),
     ),
     # https://github.com/pytorch/pytorch/pull/73535 (FSDP1 with CPU offload "will use the
     # newly-reduced gradient instead of accumulating with any existing gradient").
