@@ -361,8 +361,8 @@ def test_differentiable_steps_on_dtensors_match_one_device(
 ) -> None:
     case = data.draw(step_cases(world.world_size, differentiable=True), label="case")
     parity.attach(case.call())
-    expected = differentiable_steps_reference(case)
-    parity.note_reference(f"{describe_step_reference()}: the same differentiable steps")
+    expected = differentiable_steps_reference(case, world.device)
+    parity.note_reference(f"{world.device}: torch.optim, the same differentiable steps")
     gathered = world.run(differentiable_steps_on_rank, case)
     rtol, atol = DIFFERENTIABLE_TOLERANCE[case.dtype]
     for rank, got in enumerate(gathered):

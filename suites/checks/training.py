@@ -24,7 +24,6 @@ from harness.torchkit.models import (
 from harness.torchkit.optim import (
     Trained,
     build_optimizer,
-    reference_device,
 )
 from harness.torchkit.training import (
     data_parallel_ranks,
@@ -196,9 +195,10 @@ def differentiable_steps_on_rank(ctx: RankContext, case: StepCase) -> Differenti
     return _differentiable_steps(case, lambda i, a: _laid_out(ctx, case, i, a))
 
 
-def differentiable_steps_reference(case: StepCase) -> Differentiated:
-    """The same steps on one device (the accelerator when present)."""
-    device = reference_device()
+def differentiable_steps_reference(case: StepCase, device_type: str) -> Differentiated:
+    """The same steps on one device of ``device_type``: the ranks' own, so that both sides
+    run the same kernels."""
+    device = torch.device(device_type)
     return _differentiable_steps(case, lambda i, a: tensor_from(a, case.dtype, device))
 
 
