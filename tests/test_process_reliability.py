@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from sigint import default_sigint
 
 from harness import InvalidArgument, RankFailure, WorldStartError, open_world
 from harness.runners.processes import ProcessWorld
@@ -399,6 +400,7 @@ def test_ctrl_c_in_any_phase_leaves_no_rank_process_and_no_temp_dir(short_tmp, p
         stdout=subprocess.PIPE,
         text=True,
         env=env,
+        preexec_fn=default_sigint,
     )
     try:
         line = driver.stdout.readline()

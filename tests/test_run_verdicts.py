@@ -15,6 +15,7 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 import pytest
+from sigint import default_sigint
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -120,6 +121,7 @@ def test_sigint_is_an_interrupted_run_everywhere(tmp_path, runner):
     process = subprocess.Popen(
         _command(tmp_path, select="slow", runner=runner),
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
+        preexec_fn=default_sigint,
     )  # fmt: skip
     _wait_for_start(tmp_path / "out" / "results.jsonl", process)
     time.sleep(1.0)  # into the test's body, past the World's start
