@@ -22,7 +22,7 @@ from harness.strategies import (
     parity_cases,
     step_cases,
 )
-from harness.torchkit.optim import describe_reference, reference_device, reference_run
+from harness.torchkit.optim import describe_reference, reference_run
 from suites.checks.training import (
     assert_same_training,
     assert_trained_like,
@@ -338,10 +338,6 @@ def test_optimizer_steps_match_the_spec_model(world: World, data: st.DataObject)
                 why="torch rounds intermediates where the float64 model does not",
                 record_as=f"param/{case.dtype}",
             )
-
-
-def describe_step_reference() -> str:
-    return f"{reference_device().type}: torch.optim on plain tensors"
 
 
 # DTensor runs the same elementwise kernels on each piece as one device on the whole, and the

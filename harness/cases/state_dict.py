@@ -96,6 +96,11 @@ class ResumeCase:
         return f"{self.base.call()}; start at {self.start} rank(s): {steps} [{meshes}]"
 
 
+def _mesh_words(mesh_shape: tuple[int, ...]) -> str:
+    """A 1-D or (replicate, shard) mesh, as a case's ``call()`` names it."""
+    return f"HSDP mesh {mesh_shape}" if len(mesh_shape) == 2 else "1-D mesh"
+
+
 MID_STEP_OPTIMIZERS = ("SGD", "Adam", "AdamW")
 """SGD with momentum 0.9 or 0 (no state ever), Adam and AdamW."""
 MID_STEP_VIAS = ("memory", "dcp")
@@ -155,7 +160,7 @@ class MidStepCase:
     def call(self) -> str:
         graph = self.graph
         options = ", ".join(f"{k}={v}" for k, v in self.optimizer_options)
-        mesh = f"HSDP mesh {self.mesh_shape}" if len(self.mesh_shape) == 2 else "1-D mesh"
+        mesh = _mesh_words(self.mesh_shape)
         probes = ""
         if self.probe_points:
             probes = f"; also taken and dropped at {', '.join(self.probe_points)} of every step"
@@ -209,7 +214,7 @@ class TiedAfterForwardCase:
 
     def call(self) -> str:
         group = "[second, first]" if self.reversed_group else "[first, second]"
-        mesh = f"HSDP mesh {self.mesh_shape}" if len(self.mesh_shape) == 2 else "1-D mesh"
+        mesh = _mesh_words(self.mesh_shape)
         return (
             f"first, second = Linear({self.width}, {self.width}, bias=False), "
             f"Linear({self.width}, {self.width}); second.weight = first.weight; "

@@ -54,6 +54,12 @@ def factorisations(world_size: int, max_ndim: int) -> tuple[tuple[int, ...], ...
     )
 
 
+def reshard_factors(shard_size: int) -> tuple[int, ...]:
+    """The ints ``reshard_after_forward`` can take to reshard a shard group of
+    ``shard_size`` ranks to a smaller one: its factors above 1 and below it."""
+    return tuple(f for f in range(2, shard_size) if shard_size % f == 0)
+
+
 def sampled(values: tuple[Any, ...]) -> st.SearchStrategy[Any]:
     """``st.sampled_from(values)``, built once per distinct ``values``: keyed by each value's
     type too, since ``(True,) == (1,)`` and ``(False,) == (0,)`` hash alike and a cache keyed

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from harness.cases.knobs import PRECISION_DTYPES, Knobs, Precision
 from harness.cases.training import FSDP_LAYOUTS, data_parallel, shard_size
 from harness.errors import check_one_of, check_subset
-from harness.strategies._common import factorisations, sampled
+from harness.strategies._common import factorisations, reshard_factors, sampled
 
 KNOB_FAMILIES = ("divide_factor", "micro_batching", "resharding", "checkpoint")
 """``divide_factor``: a gradient divide factor, sum-only collectives, HSDP's mesh flattened
@@ -152,8 +152,7 @@ def _resharding(
     focused: bool,
 ) -> Knobs:
     """``focused``: at least one control turned (explicit unshard when none was drawn)."""
-    size = shard_size(layout, mesh)
-    smaller = tuple(d for d in range(2, size) if size % d == 0)
+    smaller = reshard_factors(shard_size(layout, mesh))
     chosen = replace(
         chosen,
         reshard_to=draw(st.none() | sampled(smaller)) if smaller else None,

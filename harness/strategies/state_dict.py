@@ -20,7 +20,13 @@ from harness.cases.state_dict import (
 )
 from harness.cases.training import OPTIMIZERS, TP_LAYOUTS
 from harness.errors import check_int, check_one_of, check_subset, require
-from harness.strategies._common import factorisations, sampled, seeds, takes_world_size
+from harness.strategies._common import (
+    factorisations,
+    reshard_factors,
+    sampled,
+    seeds,
+    takes_world_size,
+)
 from harness.strategies.modules import graph_cases
 from harness.strategies.training import DTENSOR_UNSUPPORTED, optim_configs, parity_cases
 from specs.resume import (
@@ -282,7 +288,7 @@ def _mid_step_cases(draw: st.DrawFn, world_size: int, *, first_step_dcp: bool) -
     # The graph's momentum is not used: the case's optimizer says its own options.
     graph = replace(draw(graph_cases(world_size, train=True)), momentum=0.0)
     mesh = draw(sampled(factorisations(world_size, 2)))  # 1-D, then (replicate, shard)
-    factors = tuple(f for f in range(2, mesh[-1]) if mesh[-1] % f == 0)
+    factors = reshard_factors(mesh[-1])
     reshard = draw(sampled((None, True, False, *factors)))
     # SGD without momentum as an optimizer of its own (a quarter of the draws, not an
     # eighth): it is the one a state dict meets empty at every step
@@ -336,7 +342,7 @@ def tied_after_forward_cases(draw: st.DrawFn, world_size: int) -> TiedAfterForwa
     (replicate, shard) mesh of ``world_size`` ranks, left unsharded after the forward
     (``reshard_after_forward=False``) or on a smaller group (a factor of the shard axis)."""
     mesh = draw(sampled(factorisations(world_size, 2)))
-    factors = tuple(f for f in range(2, mesh[-1]) if mesh[-1] % f == 0)
+    factors = reshard_factors(mesh[-1])
     return TiedAfterForwardCase(
         mesh_shape=mesh,
         width=draw(st.integers(1, 2 * world_size + 1)),

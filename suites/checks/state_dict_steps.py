@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -61,13 +62,17 @@ class _Training:
     optimizer: torch.optim.Optimizer
 
 
+def _mesh(ctx: RankContext, mesh_shape: tuple[int, ...]) -> DeviceMesh:
+    """The case's 1-D mesh, or its 2-D one with HSDP's axis names."""
+    return ctx.mesh(mesh_shape, HSDP_NAMES if len(mesh_shape) == 2 else None)
+
+
 def build(ctx: RankContext, case: MidStepCase, *, fresh: bool = False) -> _Training:
     """The case's graph with its plan applied on its mesh, and its optimizer; ``fresh``:
     initialised from another seed, the optimizer with another lr and weight decay."""
     graph = replace(case.graph, seed=(case.graph.seed + 1) % 2**32) if fresh else case.graph
     built = build_graph(graph, ctx.device)
-    names = HSDP_NAMES if len(case.mesh_shape) == 2 else None
-    mesh = ctx.mesh(case.mesh_shape, names)
+    mesh = _mesh(ctx, case.mesh_shape)
     options: dict[str, Any] = {}
     if case.reshard_after_forward is not None:
         options["reshard_after_forward"] = case.reshard_after_forward
@@ -179,10 +184,11 @@ def entry(value: torch.Tensor) -> Entry:
     local = value.to_local() if isinstance(value, DTensor) else value
     needed = (local.storage_offset() + local.numel()) * local.element_size()
     stored = local.numel() == 0 or local.untyped_storage().nbytes() >= needed
+    values = to_numpy(local) if stored else None
     if isinstance(value, DTensor):
         mesh, placements = tuple(value.device_mesh.shape), repr(value.placements)
-        return Entry("DTensor", mesh, placements, stored, to_numpy(local) if stored else None)
-    return Entry(type(value).__name__, None, None, stored, to_numpy(local) if stored else None)
+        return Entry("DTensor", mesh, placements, stored, values)
+    return Entry(type(value).__name__, None, None, stored, values)
 
 
 def tied_after_forward_on_rank(
@@ -198,8 +204,7 @@ def tied_after_forward_on_rank(
             param.copy_(torch.randn(param.shape, generator=generator))
     second.weight = first.weight
     model = nn.Sequential(first, second)
-    names = HSDP_NAMES if len(case.mesh_shape) == 2 else None
-    mesh = ctx.mesh(case.mesh_shape, names)
+    mesh = _mesh(ctx, case.mesh_shape)
     group: list[nn.Module] = [second, first] if case.reversed_group else [first, second]
     fully_shard(group, mesh=mesh, reshard_after_forward=case.reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=case.reshard_after_forward)
