@@ -95,13 +95,15 @@ def test_a_tied_parameter_left_unsharded_is_in_the_state_dict_sharded(
 ) -> None:
     case = data.draw(tied_after_forward_cases(world.world_size), label="case")
     parity.attach(case.call())
-    for rank, (taken, params) in enumerate(world.run(steps.tied_after_forward_on_rank, case)):
-        assert_equal_values(sorted(taken), sorted(params), what=f"names on rank {rank}")
-        for name, param in params.items():
-            got, what = taken[name], f"state dict entry {name!r} on rank {rank}"
-            # (class, mesh, placements, storage) first: the values of a tensor whose storage
-            # was freed are never read
-            assert_equal_values(got.described(), param.described(), what=what)
-            if got.local is not None and param.local is not None:
-                # exact: taking a state dict copies nothing
-                assert_array_equal(got.local, param.local, what=f"local values of {what}")
+    for rank, by_order in enumerate(world.run(steps.tied_after_forward_on_rank, case)):
+        for order, (taken, params) in by_order.items():
+            where = f"on rank {rank}, fully_shard([{', '.join(order)}])"
+            assert_equal_values(sorted(taken), sorted(params), what=f"names {where}")
+            for name, param in params.items():
+                got, what = taken[name], f"state dict entry {name!r} {where}"
+                # (class, mesh, placements, storage) first: the values of a tensor whose
+                # storage was freed are never read
+                assert_equal_values(got.described(), param.described(), what=what)
+                if got.local is not None and param.local is not None:
+                    # exact: taking a state dict copies nothing
+                    assert_array_equal(got.local, param.local, what=f"local values of {what}")

@@ -43,7 +43,7 @@ def _case(**changes: object) -> MidStepCase:
 
 
 def _tied(**changes: object) -> TiedAfterForwardCase:
-    case = TiedAfterForwardCase((4,), 2, 2, True, "state_dict", 0)
+    case = TiedAfterForwardCase((4,), 2, 2, "state_dict", 0)
     return replace(case, **changes)  # type: ignore[arg-type]
 
 
@@ -129,4 +129,4 @@ def test_tied_after_forward_cases_keep_the_parameters_unsharded_after_the_forwar
     raf = case.reshard_after_forward
     assert raf is False or (1 < raf < case.mesh_shape[-1] and case.mesh_shape[-1] % raf == 0)
     assert pickle.loads(pickle.dumps(case)) == case
-    assert ("[second, first]" in case.call()) == case.reversed_group
+    assert "[first, second] or [second, first]" in case.call()

@@ -174,6 +174,8 @@ class MidStepCase:
         )
 
 
+TIED_GROUP_ORDERS = (("first", "second"), ("second", "first"))
+"""The ``fully_shard`` list of a tied pair: the model's order, and reversed."""
 TIED_VIAS = ("state_dict", "get_model_state_dict")
 """How the state dict is taken: ``Module.state_dict()`` or DSD's ``get_model_state_dict``."""
 
@@ -181,17 +183,16 @@ TIED_VIAS = ("state_dict", "get_model_state_dict")
 @dataclass(frozen=True)
 class TiedAfterForwardCase:
     """Two ``width``-feature Linears whose weights are one parameter (``second.weight =
-    first.weight``), in one ``fully_shard`` group listed in the model's order or reversed,
-    under a root ``fully_shard``, on a 1-D or (replicate, shard) mesh with
-    ``reshard_after_forward`` False or an int (both keep the parameters unsharded, or on a
-    smaller group, after the forward); one forward, then the model's state dict."""
+    first.weight``), in one ``fully_shard`` group, under a root ``fully_shard``, on a 1-D or
+    (replicate, shard) mesh with ``reshard_after_forward`` False or an int (both keep the
+    parameters unsharded, or on a smaller group, after the forward); one forward, then the
+    model's state dict. Each example builds the group both ways (``TIED_GROUP_ORDERS``):
+    ``[second, first]`` registers the parameter to the module that holds it second in the
+    model's order."""
 
     mesh_shape: tuple[int, ...]
     width: int
     reshard_after_forward: bool | int
-    reversed_group: bool
-    """``fully_shard([second, first])``: the group's parameter is registered to ``second``,
-    the module that holds it second in the model's order."""
     via: str
     seed: int
 
@@ -213,7 +214,7 @@ class TiedAfterForwardCase:
         check_one_of("via", self.via, TIED_VIAS)
 
     def call(self) -> str:
-        group = "[second, first]" if self.reversed_group else "[first, second]"
+        group = " or ".join(f"[{', '.join(order)}]" for order in TIED_GROUP_ORDERS)
         mesh = _mesh_words(self.mesh_shape)
         return (
             f"first, second = Linear({self.width}, {self.width}, bias=False), "

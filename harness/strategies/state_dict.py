@@ -338,7 +338,7 @@ def _mid_step_cases(draw: st.DrawFn, world_size: int, *, first_step_dcp: bool) -
 @takes_world_size
 @st.composite
 def tied_after_forward_cases(draw: st.DrawFn, world_size: int) -> TiedAfterForwardCase:
-    """A tied pair of Linears in one ``fully_shard`` group (either order) on a 1-D or
+    """A tied pair of Linears in one ``fully_shard`` group (both orders) on a 1-D or
     (replicate, shard) mesh of ``world_size`` ranks, left unsharded after the forward
     (``reshard_after_forward=False``) or on a smaller group (a factor of the shard axis)."""
     mesh = draw(sampled(factorisations(world_size, 2)))
@@ -347,7 +347,6 @@ def tied_after_forward_cases(draw: st.DrawFn, world_size: int) -> TiedAfterForwa
         mesh_shape=mesh,
         width=draw(st.integers(1, 2 * world_size + 1)),
         reshard_after_forward=draw(sampled((False, *factors))),
-        reversed_group=draw(st.booleans()),
         via=draw(sampled(TIED_VIAS)),
         seed=draw(seeds()),
     )

@@ -30,7 +30,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from harness import RankContext
-from harness.cases.state_dict import MidStepCase, TiedAfterForwardCase
+from harness.cases.state_dict import TIED_GROUP_ORDERS, MidStepCase, TiedAfterForwardCase
 from harness.torchkit.dtensor import full_array, tensor_from, to_numpy
 from harness.torchkit.module_graphs import BuiltGraph, build_graph, graph_batch
 from specs.resume import initialises_optimizer, resume_step
@@ -193,9 +193,16 @@ def entry(value: torch.Tensor) -> Entry:
 
 def tied_after_forward_on_rank(
     ctx: RankContext, case: TiedAfterForwardCase
+) -> dict[tuple[str, ...], tuple[dict[str, Entry], dict[str, Entry]]]:
+    """For each order of the tied group (``TIED_GROUP_ORDERS``), the case's tied pair after
+    one forward: each entry of its state dict, and each parameter (every name of the tied
+    one) as it is once the state dict is taken."""
+    return {order: _tied_after_forward(ctx, case, order) for order in TIED_GROUP_ORDERS}
+
+
+def _tied_after_forward(
+    ctx: RankContext, case: TiedAfterForwardCase, order: tuple[str, ...]
 ) -> tuple[dict[str, Entry], dict[str, Entry]]:
-    """The case's tied pair after one forward: each entry of its state dict, and each
-    parameter (every name of the tied one) as it is once the state dict is taken."""
     generator = torch.Generator().manual_seed(case.seed)
     first = nn.Linear(case.width, case.width, bias=False, device=ctx.device)
     second = nn.Linear(case.width, case.width, device=ctx.device)
@@ -205,7 +212,8 @@ def tied_after_forward_on_rank(
     second.weight = first.weight
     model = nn.Sequential(first, second)
     mesh = _mesh(ctx, case.mesh_shape)
-    group: list[nn.Module] = [second, first] if case.reversed_group else [first, second]
+    holders: dict[str, nn.Module] = {"first": first, "second": second}
+    group = [holders[name] for name in order]
     fully_shard(group, mesh=mesh, reshard_after_forward=case.reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=case.reshard_after_forward)
     model(torch.ones(2, case.width, device=ctx.device))
