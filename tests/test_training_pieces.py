@@ -193,6 +193,10 @@ def test_fused_sgd_meets_a_late_first_gradient_only_when_asked(world_size, late,
     late_grad = late_grad and _unfrozen_late(case.frozen, case.refrozen)
     if late:
         assert fused_momentum and late_grad
+        sizes = [math.prod(shape) for shape in case.groups[0]]
+        owned = [set(groups[0]) for groups in partition([sizes], world_size)]
+        assert any({len(sizes) - 2, len(sizes) - 1} <= rank for rank in owned)
+        assert (case.frozen[0][-2:], case.refrozen[0][-2:]) == ((False, True), (False, False))
     else:
         assert not (fused_momentum and late_grad)
 

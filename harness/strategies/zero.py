@@ -17,10 +17,21 @@ _FROZEN = mix((2, st.just(False)), (1, st.just(True)))
 _LATE_FUSED_SGD = frozenset({("SGD", "fused")})
 
 
-def _set_first(mask: tuple[tuple[bool, ...], ...], value: bool) -> tuple[tuple[bool, ...], ...]:
-    """``mask`` with its first parameter's flag set to ``value``."""
+def _with_tail(
+    mask: tuple[tuple[bool, ...], ...], flags: tuple[bool, ...]
+) -> tuple[tuple[bool, ...], ...]:
+    """``mask`` with the last flags of its first group replaced by ``flags``."""
     first, *rest = mask
-    return ((value, *first[1:]), *rest)
+    return ((*first[: -len(flags)], *flags), *rest)
+
+
+def _late_first_group(draw: st.DrawFn, world_size: int) -> tuple[tuple[int, ...], ...]:
+    """A first group whose last two parameters (2 and 1 elements) ZeroRedundancyOptimizer
+    gives to one rank: ``world_size - 1`` larger ones come first and take a rank each
+    (its greedy partition hands the largest parameter to the least loaded rank), so the
+    smallest parameter joins the 2-element one on the last rank."""
+    larger = tuple((draw(st.integers(3, 2 * world_size + 3)),) for _ in range(world_size - 1))
+    return (*larger, (2,), (1,))
 
 
 def _shape(draw: st.DrawFn, world_size: int) -> tuple[int, ...]:
@@ -42,7 +53,8 @@ def frozen_groups_cases(
     Fused SGD with momentum is not drawn where a parameter is unfrozen after the first step:
     torch 2.13 and 2.15 raise there, on one device too (spec
     zero.param_groups.late_first_grad_fused_sgd). ``late_fused_sgd``: only that path, fused
-    SGD with momentum and a parameter (the first) frozen until a step after the first."""
+    SGD with momentum, a parameter of the first group frozen until a step after the first,
+    and on its rank another of its group that trains from the first step."""
     check_int("world_size", world_size)
     require(isinstance(late_fused_sgd, bool), "late_fused_sgd", late_fused_sgd, "a bool")
     return _frozen_groups_cases(world_size, late_only=late_fused_sgd)
@@ -55,13 +67,17 @@ def _frozen_groups_cases(draw: st.DrawFn, world_size: int, *, late_only: bool) -
         tuple(_shape(draw, world_size) for _ in range(draw(st.integers(1, 4))))
         for _ in range(draw(st.integers(1, 3)))
     )
+    if late_only:
+        groups = (_late_first_group(draw, world_size), *groups[1:])
     steps = draw(st.integers(2 if late_only else 1, 3))
     frozen = _mask(draw, groups)
     refrozen = _mask(draw, groups) if late_only or draw(st.booleans()) else None
     switch = draw(st.integers(1 if late_only else 0, steps - 1))
     if late_only:
+        # the 2-element parameter trains from the first step (its momentum buffer made
+        # then), the 1-element one, on the same rank, from step ``switch`` on
         assert refrozen is not None
-        frozen, refrozen = _set_first(frozen, True), _set_first(refrozen, False)
+        frozen, refrozen = _with_tail(frozen, (False, True)), _with_tail(refrozen, (False, False))
         optim = draw(optim_configs(names=("SGD",), impls=("fused",), stateful=True, groups=False))
     else:
         late = refrozen is not None and switch > 0
