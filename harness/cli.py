@@ -23,10 +23,12 @@ from harness import catalogue
 from harness.config import (
     DEFAULTS,
     MUTATE_OUT,
+    TORCHRUN_OPTIONS,
     RunConfig,
     as_option,
-    parse_world_sizes,
     split_names,
+    torchrun_fields,
+    world_sizes_option,
 )
 from harness.errors import (
     CatalogueError,
@@ -56,7 +58,10 @@ def _run(args: argparse.Namespace) -> int:
     from harness import session
 
     junit = Path(args.junit) if args.junit else None
-    config = _config(args, junit=junit, workers=args.jobs)
+    jobs = args.jobs
+    if jobs is None:  # torchrun's agents attach to one driver
+        jobs = 1 if args.runner == "torchrun" else _usable_cpus()
+    config = _config(args, junit=junit, workers=jobs)
     try:
         return session.run(config, extra=args.pytest_args)
     except InvalidArgument as exc:  # the machine refused the options (session.run checks it)
@@ -69,7 +74,9 @@ def _config(args: argparse.Namespace, **more: Any) -> RunConfig:
     try:
         return RunConfig(
             runner=args.runner,
-            world_sizes=parse_world_sizes(args.world_sizes),
+            world_sizes=world_sizes_option(
+                args.world_sizes, args.runner, args.nnodes or 1, args.nproc_per_node
+            ),
             device=args.device,
             backend=args.backend,
             backend_plugins=split_names(args.backend_plugin),
@@ -79,6 +86,7 @@ def _config(args: argparse.Namespace, **more: Any) -> RunConfig:
             seed=args.seed,
             suites=split_names(args.suite),
             out=Path(args.out),
+            **torchrun_fields(lambda name: getattr(args, name)),
             **{k: v for k, v in more.items() if v is not None},
         )
     except InvalidArgument as exc:
@@ -150,9 +158,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--jobs",
         type=int,
-        default=_usable_cpus(),
+        default=None,
         help="pytest-xdist workers, each with its own Worlds (default: the usable CPUs, here "
-        f"{_usable_cpus()}; 1: one process; a -n among the pytest arguments wins)",
+        f"{_usable_cpus()}, and 1 on the torchrun runner; 1: one process; a -n among the "
+        "pytest arguments wins)",
     )
     run.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     run.set_defaults(handler=_run)
@@ -176,8 +185,9 @@ def _add_run_options(parser: argparse.ArgumentParser, *, out: Path) -> None:
     parser.add_argument("--runner", choices=RUNNERS, default=DEFAULTS.runner)
     parser.add_argument(
         "--world-sizes",
-        default=DEFAULTS.world_sizes_text,
-        help=f"comma-separated (default: {DEFAULTS.world_sizes_text})",
+        default=None,
+        help=f"comma-separated (default: {DEFAULTS.world_sizes_text}; with --runner torchrun "
+        "--nproc-per-node N: the size of the World it starts)",
     )
     parser.add_argument(
         "--device",
@@ -217,6 +227,9 @@ def _add_run_options(parser: argparse.ArgumentParser, *, out: Path) -> None:
         "--test-timeout", type=float, default=DEFAULTS.test_timeout, help="seconds per test"
     )
     parser.add_argument("--out", default=str(out), help=f"output directory (default: {out})")
+    torchrun = parser.add_argument_group("torchrun runner (README: Several machines)")
+    for name, keywords in TORCHRUN_OPTIONS:
+        torchrun.add_argument("--" + name.replace("_", "-"), default=None, **keywords)
 
 
 def _add_report(commands: Any) -> None:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from harness import catalogue
 from harness.errors import (
@@ -27,7 +28,9 @@ from harness.errors import (
 )
 from harness.profiles import PROFILES
 from harness.runners import DEFAULT_DEVICE, DEFAULT_TIMEOUT, RUNNERS
+from harness.runners._channel import TOKEN_VAR
 from harness.runners.capacity import check_capacity
+from harness.runners.torchrun import DEFAULT_ATTACH_TIMEOUT, DEFAULT_LISTEN, TorchrunOptions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +78,20 @@ class RunConfig:
     workers: int = 1
     """pytest-xdist workers for the run (each with its own Worlds; their results are merged);
     1 runs in one process. ``mutate`` keeps 1 and runs several faults at once instead."""
+    nproc_per_node: int | None = None
+    """torchrun runner: start torchrun here with this many ranks per node; None: wait for
+    agents started elsewhere (``--world-sizes`` then names how many)."""
+    nnodes: int = 1
+    """torchrun runner, started here: how many torchrun "nodes" (all on this machine)."""
+    max_restarts: int = 0
+    """torchrun runner, started here: torchrun's ``--max-restarts``."""
+    listen: str = DEFAULT_LISTEN
+    """torchrun runner: where the driver waits for agents (``HOST:PORT``; port 0: any)."""
+    attach_timeout: float = DEFAULT_ATTACH_TIMEOUT
+    """torchrun runner: seconds to wait for every agent to attach."""
+    token_file: Path | None = None
+    """torchrun runner: the shared secret's file (default: ``$DISTCONF_TOKEN``; one is made
+    when torchrun is started here)."""
 
     def __post_init__(self) -> None:
         check_one_of("runner", self.runner, RUNNERS)
@@ -99,11 +116,73 @@ class RunConfig:
         check_int("workers", self.workers)
         for path in self.cheap_first:
             require(path.exists(), "cheap_first", str(path), "a results file or a directory")
+        self._check_torchrun()
+
+    def _check_torchrun(self) -> None:
+        if self.runner != "torchrun":
+            for name, default in _TORCHRUN_FIELDS.items():
+                value = getattr(self, name)
+                require(value == default, name, value, "left unset without --runner torchrun")
+            return
+        require(self.workers == 1, "workers", self.workers, _ONE_DRIVER)
+        require(
+            not self.faults,
+            "faults",
+            self.faults,
+            "empty with --runner torchrun: faults are injected on the threads and processes "
+            "runners only",
+        )
+        if self.nproc_per_node is None:
+            require(
+                len(self.world_sizes) == 1,
+                "world_sizes",
+                self.world_sizes_text,
+                "one size with --runner torchrun and no --nproc-per-node: how many agents "
+                "attach (torchrun's --nnodes x --nproc-per-node)",
+            )
+            require(self.nnodes == 1, "nnodes", self.nnodes, _NNODES_STARTED)
+            require(self.max_restarts == 0, "max_restarts", self.max_restarts, _NNODES_STARTED)
+        require(
+            self.token_file is None or isinstance(self.token_file, Path),
+            "token_file",
+            self.token_file,
+            _PATH,
+        )
+        assert self.torchrun is not None  # validates the options
+
+    @property
+    def torchrun(self) -> TorchrunOptions | None:
+        """The torchrun runner's options (None on the other runners)."""
+        if self.runner != "torchrun":
+            return None
+        launched = self.nproc_per_node
+        return TorchrunOptions(
+            world_size=self.world_sizes[0] if launched is None else self.nnodes * launched,
+            listen=self.listen,
+            attach_timeout=self.attach_timeout,
+            token_file=self.token_file,
+            nproc_per_node=launched,
+            nnodes=self.nnodes,
+            max_restarts=self.max_restarts,
+        )
 
     def check_machine(self, *, world_sizes: bool = True) -> str:
         """Refuse what this machine cannot run (imports torch): a plugin that does not
         import, an absent device, a backend not registered for it and, with
         ``world_sizes``, a World too large; the process-group backend the Worlds will use."""
+        if self.runner == "torchrun" and (self.nproc_per_node is None or self.token_file):
+            from harness.runners._channel import load_token
+
+            load_token(self.token_file)  # the shared secret is there before anyone waits
+        if self.runner == "torchrun" and self.nproc_per_node is not None and world_sizes:
+            check_capacity(
+                "processes",
+                self.device,
+                (self.nnodes * self.nproc_per_node,),
+                name="nproc_per_node",
+                backend=self.backend,
+                backend_plugins=self.backend_plugins,
+            )
         return check_capacity(
             self.runner,
             self.device,
@@ -113,12 +192,33 @@ class RunConfig:
         )
 
     @property
+    def torchrun_options(self) -> dict[str, str]:
+        """The torchrun runner's options as the command line spells them (those set)."""
+        return {
+            "--" + name.replace("_", "-"): str(getattr(self, name))
+            for name, default in _TORCHRUN_FIELDS.items()
+            if getattr(self, name) != default
+        }
+
+    @property
     def world_sizes_text(self) -> str:
         """``(1, 2, 3)`` -> ``"1,2,3"``: how the options spell it."""
         return ",".join(map(str, self.world_sizes))
 
 
 _PATH = "a pathlib.Path or None"
+_ONE_DRIVER = "1 with --runner torchrun: the agents attach to one driver"
+_NNODES_STARTED = "for the torchrun that distconf starts here (--nproc-per-node); agents "
+_NNODES_STARTED += "started elsewhere bring their own"
+_TORCHRUN_FIELDS = {
+    "nproc_per_node": None,
+    "nnodes": 1,
+    "max_restarts": 0,
+    "listen": DEFAULT_LISTEN,
+    "attach_timeout": DEFAULT_ATTACH_TIMEOUT,
+    "token_file": None,
+}
+"""The torchrun runner's options and their defaults: only that runner takes them."""
 
 
 def as_option(error: InvalidArgument, spelled: Mapping[str, str] | None = None) -> InvalidArgument:
@@ -185,6 +285,57 @@ def parse_world_sizes(text: str, name: str = "world_sizes") -> tuple[int, ...]:
     if not sizes or any(size < 1 for size in sizes):
         raise invalid(name, text, "a comma-separated list of positive ints")
     return sizes
+
+
+def world_sizes_option(
+    text: str | None, runner: str, nnodes: int, nproc_per_node: int | None
+) -> tuple[int, ...]:
+    """``--world-sizes``, or its default: the World torchrun starts, else ``(1, 2, 3, 4)``."""
+    if text is not None:
+        return parse_world_sizes(text)
+    if runner == "torchrun" and isinstance(nproc_per_node, int) and isinstance(nnodes, int):
+        return (nnodes * nproc_per_node,)
+    return RunConfig.world_sizes
+
+
+TORCHRUN_OPTIONS: tuple[tuple[str, dict[str, Any]], ...] = (
+    (
+        "nproc_per_node",
+        {"type": int, "help": "torchrun runner: start torchrun here, N ranks per node"},
+    ),
+    ("nnodes", {"type": int, "help": 'torchrun runner, started here: "nodes" (default: 1)'}),
+    (
+        "max_restarts",
+        {"type": int, "help": "torchrun runner, started here: torchrun's --max-restarts (0)"},
+    ),
+    (
+        "listen",
+        {"help": f"torchrun runner: HOST:PORT the driver waits on (default: {DEFAULT_LISTEN})"},
+    ),
+    (
+        "attach_timeout",
+        {
+            "type": float,
+            "help": f"torchrun runner: seconds to wait for every agent "
+            f"(default: {DEFAULT_ATTACH_TIMEOUT:g})",
+        },
+    ),
+    (
+        "token_file",
+        {
+            "type": Path,
+            "help": f"torchrun runner: the shared secret's file (default: ${TOKEN_VAR})",
+        },
+    ),
+)
+"""The torchrun runner's options (a ``RunConfig`` field and ``add_argument``'s keywords; the
+default is the field's): the CLI and the pytest plugin declare them from here."""
+
+
+def torchrun_fields(values: Callable[[str], Any]) -> dict[str, Any]:
+    """The torchrun fields given (``values(field)``: the parsed option, None when absent)."""
+    given = {name: values(name) for name, _ in TORCHRUN_OPTIONS}
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def split_names(values: list[str]) -> tuple[str, ...]:

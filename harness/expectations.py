@@ -75,10 +75,12 @@ class Expectation:
     def matches(
         self, *, spec: str, runner: str, device: str, backend: str, world_size: int, torch: str
     ) -> bool:
+        from harness.runners.base import answers_to
+
         return (
             spec == self.spec
             and (self.torch is None or Version(torch) in self.torch)
-            and (not self.runner or runner in self.runner)
+            and (not self.runner or answers_to(runner, self.runner))
             and (not self.device or device in self.device)
             and (not self.backend or backend in self.backend)
             and (not self.world_size or world_size in self.world_size)

@@ -71,6 +71,7 @@ def pytest_arguments(
         arguments.append(f"--distconf-cheap-first={','.join(map(str, config.cheap_first))}")
     if config.exitfirst:
         arguments.append("--exitfirst")
+    arguments += [f"{option}={value}" for option, value in config.torchrun_options.items()]
     if config.workers > 1 and not _names_workers(extra):
         arguments += ["-n", str(config.workers)]
     return [*arguments, *extra]

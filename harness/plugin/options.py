@@ -13,7 +13,15 @@ from pathlib import Path
 import pytest
 
 from harness import catalogue
-from harness.config import DEFAULTS, RunConfig, as_option, parse_world_sizes, split_names
+from harness.config import (
+    DEFAULTS,
+    TORCHRUN_OPTIONS,
+    RunConfig,
+    as_option,
+    split_names,
+    torchrun_fields,
+    world_sizes_option,
+)
 from harness.errors import InvalidArgument, check_one_of
 from harness.profiles import PROFILES, needs_seed
 from harness.runners import RUNNERS
@@ -30,9 +38,10 @@ def add(parser: pytest.Parser) -> None:
     group.addoption(
         "--world-sizes",
         dest="distconf_world_sizes",
-        default=DEFAULTS.world_sizes_text,
+        default=None,
         help="comma-separated world sizes to run every suite test at "
-        f"(default: {DEFAULTS.world_sizes_text})",
+        f"(default: {DEFAULTS.world_sizes_text}; with --runner torchrun --nproc-per-node N: "
+        "the size of the World it starts)",
     )
     group.addoption(
         "--device",
@@ -78,6 +87,9 @@ def add(parser: pytest.Parser) -> None:
     )
     _add_gpu_options(group)
     _add_mutation_options(group)
+    for name, keywords in TORCHRUN_OPTIONS:
+        option = "--" + name.replace("_", "-")
+        group.addoption(option, dest=f"distconf_{name}", default=None, **keywords)
     parser.addini("distconf_catalogue", "path of the spec catalogue", default=None)
     parser.addini("distconf_suites", "directory holding the conformance suites", default=None)
     parser.addini(
@@ -146,7 +158,12 @@ def run_config(config: pytest.Config) -> RunConfig:
     try:
         run = RunConfig(
             runner=config.getoption("distconf_runner"),
-            world_sizes=parse_world_sizes(config.getoption("distconf_world_sizes")),
+            world_sizes=world_sizes_option(
+                config.getoption("distconf_world_sizes"),
+                config.getoption("distconf_runner"),
+                config.getoption("distconf_nnodes") or 1,
+                config.getoption("distconf_nproc_per_node"),
+            ),
             device=config.getoption("distconf_device"),
             backend=config.getoption("distconf_backend"),
             backend_plugins=split_names(config.getoption("distconf_backend_plugins")),
@@ -158,6 +175,7 @@ def run_config(config: pytest.Config) -> RunConfig:
             ),
             cheap_first=tuple(map(Path, _names(config.getoption("distconf_cheap_first")))),
             exitfirst=bool(config.getoption("exitfirst", False)),
+            **torchrun_fields(lambda name: config.getoption(f"distconf_{name}")),
         )
         # The machine is checked once, where the run starts: an xdist worker leased GPUs
         # (``-n gpu``) sees only its own.

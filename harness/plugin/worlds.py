@@ -8,6 +8,7 @@ import pytest
 from harness.config import RunConfig
 from harness.plugin import gpus
 from harness.runners import World, WorldCache, WorldKey, Worlds
+from harness.runners.base import answers_to
 
 FIXTURE_MODULE = "harness.plugin"
 """Where the ``world`` fixture is defined: a project's own ``world`` fixture is left alone."""
@@ -39,7 +40,7 @@ def _sizes_for(marker: pytest.Mark | None, configured: tuple[int, ...]) -> tuple
 
 def _runner_skip(marker: pytest.Mark | None, runner: str) -> str | None:
     """Why this runner cannot serve the test (``@pytest.mark.runner("processes", reason=)``)."""
-    if marker is None or runner in marker.args:
+    if marker is None or answers_to(runner, marker.args):
         return None
     why = marker.kwargs.get("reason", "")
     return f"needs the {' or '.join(marker.args)} runner{': ' + why if why else ''}"
@@ -51,6 +52,10 @@ def _uses_our_world(metafunc: pytest.Metafunc) -> bool:
         return False
     definitions = getattr(metafunc, "_arg2fixturedefs", {}).get("world")
     return not definitions or getattr(definitions[-1].func, "__module__", None) == FIXTURE_MODULE
+
+
+def _skips(reason: str | None) -> list[pytest.MarkDecorator]:
+    return [pytest.mark.skip(reason=reason)] if reason else []
 
 
 class SessionWorlds:
@@ -69,6 +74,7 @@ class SessionWorlds:
                 strict_collectives=self.run.strict_collectives,
                 backend=self.run.backend,
                 backend_plugins=self.run.backend_plugins,
+                torchrun=self.run.torchrun,
             )
         return self._cache
 
@@ -89,16 +95,26 @@ class SessionWorlds:
                 f"--world-sizes gave {run.world_sizes_text}"
             )
             sizes = run.world_sizes[:1]
-        marks = [pytest.mark.skip(reason=skip)] if skip else []
         params = [
-            pytest.param(key, id=key.id, marks=marks)
+            pytest.param(key, id=key.id, marks=_skips(skip or self._size_skip(key.world_size)))
             for key in (WorldKey(run.runner, size, run.device) for size in sizes)
         ]
         metafunc.parametrize("world", params, indirect=True, scope="session")
 
+    def _size_skip(self, world_size: int) -> str | None:
+        """Why a test at ``world_size`` cannot run: the torchrun World's size is fixed."""
+        torchrun = self.run.torchrun
+        if torchrun is None or world_size == torchrun.world_size:
+            return None
+        return (
+            f"the torchrun World has {torchrun.world_size} ranks, fixed for the session; a "
+            f"test at world size {world_size} would need a World of its own (run it on the "
+            "threads or processes runner)"
+        )
+
     def world(self, config: pytest.Config, key: WorldKey) -> World:
         """The started World of ``key`` (a World that cannot start is the fixture's error)."""
-        if key.device != "cpu":
+        if key.device != "cpu" and key.runner != "torchrun":  # torchrun's are on its nodes
             needed = gpus.gpus_for_world(key.runner, key.world_size)
             what = f"a {key.runner} World of {key.world_size} on {key.device}"
             gpus.require_gpus(config, needed, what)
@@ -111,7 +127,9 @@ class SessionWorlds:
         devices for)."""
         run = self.run
         sizes = run.world_sizes
-        if run.device != "cpu":
+        if run.torchrun is not None:
+            sizes = (run.torchrun.world_size,)
+        elif run.device != "cpu":
             held = gpus.gpus_held()
             sizes = tuple(s for s in sizes if gpus.gpus_for_world(run.runner, s) <= held)
             if not sizes:

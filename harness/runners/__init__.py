@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from harness.errors import (
     WorldStartError,
@@ -16,7 +16,10 @@ from harness.errors import (
 from harness.runners.base import DEFAULT_TIMEOUT, AllRanksSkipped, RankFailure, RankOutcome, World
 from harness.runners.capacity import check_capacity
 
-RUNNERS = ("threads", "processes")
+if TYPE_CHECKING:
+    from harness.runners.torchrun import TorchrunOptions
+
+RUNNERS = ("threads", "processes", "torchrun")
 """The runners; the first is the default."""
 
 
@@ -61,6 +64,7 @@ def make_world(
     strict_collectives: bool = False,
     backend: str | None = None,
     backend_plugins: tuple[str, ...] = (),
+    torchrun: TorchrunOptions | None = None,
 ) -> World:
     """A new World; the caller closes it.
 
@@ -69,7 +73,8 @@ def make_world(
     ``backend`` is the process runner's process-group backend (default: the device's, gloo
     on CPU); the thread runner's ranks always use torch's threaded group. ``backend_plugins``
     are modules imported here and in every rank before a group is made (they may register a
-    backend or a device).
+    backend or a device). ``torchrun``: where the torchrun runner listens and what it starts
+    (its World's size is fixed by it).
     """
     check_one_of("runner", runner, RUNNERS)
     check_int("world_size", world_size)
@@ -83,6 +88,25 @@ def make_world(
         backend=backend,
         backend_plugins=backend_plugins,
     )
+    if runner == "torchrun":
+        require(
+            torchrun is not None,
+            "torchrun",
+            torchrun,
+            "TorchrunOptions for the torchrun runner (where it listens, what it starts)",
+        )
+        assert torchrun is not None
+        from harness.runners.torchrun import TorchrunWorld
+
+        return TorchrunWorld(
+            world_size,
+            device,
+            options=torchrun,
+            timeout=timeout,
+            strict_collectives=strict_collectives,
+            backend=chosen,
+            backend_plugins=backend_plugins,
+        )
     if runner == "processes":
         from harness.runners.processes import ProcessWorld
 
@@ -109,6 +133,7 @@ def open_world(
     strict_collectives: bool = False,
     backend: str | None = None,
     backend_plugins: tuple[str, ...] = (),
+    torchrun: TorchrunOptions | None = None,
 ) -> Iterator[World]:
     """A World for the ``with`` block; ``world.run(fn, *args)`` runs ``fn(ctx, *args)`` per
     rank (the arguments: ``make_world``'s)."""
@@ -120,6 +145,7 @@ def open_world(
         strict_collectives=strict_collectives,
         backend=backend,
         backend_plugins=backend_plugins,
+        torchrun=torchrun,
     )
     try:
         yield world
@@ -137,9 +163,11 @@ class WorldCache:
         strict_collectives: bool = False,
         backend: str | None = None,
         backend_plugins: tuple[str, ...] = (),
+        torchrun: TorchrunOptions | None = None,
     ) -> None:
         self.timeout, self.strict_collectives = timeout, strict_collectives
         self.backend, self.backend_plugins = backend, backend_plugins
+        self.torchrun = torchrun
         self._worlds: dict[WorldKey, World] = {}
 
     def get(self, runner: str, world_size: int, device: str) -> World:
@@ -153,6 +181,7 @@ class WorldCache:
                 strict_collectives=self.strict_collectives,
                 backend=self.backend,
                 backend_plugins=self.backend_plugins,
+                torchrun=self.torchrun,
             )
         return self._worlds[key]
 

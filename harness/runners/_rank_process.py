@@ -65,6 +65,7 @@ PLUGIN_FAILURE = "importing the --backend-plugin modules in the rank"
 """How a rank's start outcome begins when a plugin failed to import (no use retrying)."""
 # The driver enforces every deadline; the group's own timeout only has to outlast them.
 _GROUP_TIMEOUT = timedelta(hours=2)
+_STORE_TIMEOUT = timedelta(minutes=5)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,14 @@ class RankConfig:
     """Modules imported before anything else in the rank (they may register the backend)."""
     faults: tuple[str, ...] = ()
     fault_files: tuple[str, ...] = ()
+    rendezvous: str = "file"
+    """``file``: a FileStore per generation in ``directory`` (the process runner); ``env``:
+    torchrun's store (``MASTER_ADDR``/``MASTER_PORT``), a key prefix per generation."""
+    device_index: int | None = None
+    """The rank's device (default: ``rank``; under torchrun, ``LOCAL_RANK``)."""
+    round: int = 0
+    """Under torchrun, the driver's count of the sets of agents that attached: the store
+    prefix of this set's groups."""
 
 
 def gloo_interface() -> str:
@@ -151,7 +160,7 @@ def _is_release(exc: BaseException) -> bool:
     )
 
 
-def _disconnect_gloo_pairs() -> None:
+def _disconnect_gloo_pairs(keep_fd: int = -1, keep_port: int = -1) -> None:
     """Shut down every connected TCP socket of this process: gloo's connections to its peers.
 
     gloo closes a group's connections only when the last reference to the group goes (in
@@ -159,8 +168,11 @@ def _disconnect_gloo_pairs() -> None:
     groups (``_pg_registry``) while the rank context or DTensor's caches hold the mesh: after
     ``destroy_process_group`` such a group still connects us to peers blocked in a collective
     with us. A shut-down socket reads as "Connection closed by peer" on both ends, as when a
-    peer process dies, which gloo survives. Listening sockets are left alone."""
+    peer process dies, which gloo survives. Listening sockets are left alone, and so are the
+    driver's connection (``keep_fd``) and the store's (either end on ``keep_port``)."""
     for descriptor in _open_descriptors():
+        if descriptor == keep_fd:
+            continue
         try:
             if not stat.S_ISSOCK(os.fstat(descriptor).st_mode):
                 continue
@@ -168,7 +180,8 @@ def _disconnect_gloo_pairs() -> None:
         except OSError:
             continue  # closed meanwhile
         with socket.socket(fileno=duplicate) as connection:
-            if connection.family in (socket.AF_INET, socket.AF_INET6) and _connected(connection):
+            inet = connection.family in (socket.AF_INET, socket.AF_INET6)
+            if inet and _connected(connection) and not _on_port(connection, keep_port):
                 with contextlib.suppress(OSError):
                     connection.shutdown(socket.SHUT_RDWR)
 
@@ -178,6 +191,13 @@ def _open_descriptors() -> list[int]:
         with contextlib.suppress(OSError):
             return [int(name) for name in os.listdir(listing) if name.isdigit()]
     return []
+
+
+def _on_port(connection: socket.socket, port: int) -> bool:
+    try:
+        return port in (connection.getsockname()[1], connection.getpeername()[1])
+    except OSError:
+        return False
 
 
 def _connected(connection: socket.socket) -> bool:
@@ -253,6 +273,18 @@ def _capture_stderr_from_birth() -> None:
     spawn.prepare = redirected_prepare
 
 
+def describe_exit(code: int | None) -> str:
+    """A process's exit code in words."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
 def in_collective(stack: str) -> bool:
     """Whether a faulthandler stack shows the rank inside a torch.distributed call."""
     return any(marker in stack for marker in _COLLECTIVE_FRAMES)
@@ -321,10 +353,16 @@ class _Rank:
         # a mutation run: the driver's faults, here too
         faults.apply_in_rank(config.faults, config.fault_files)
         self.config = config
-        device = devices.rank_device(config.device, config.rank)  # one device per rank
+        index = config.rank if config.device_index is None else config.device_index
+        device = devices.rank_device(config.device, index)  # one device per rank
         self.ctx = RankContext(
-            rank=config.rank, world_size=config.world_size, device=device, runner="processes"
+            rank=config.rank,
+            world_size=config.world_size,
+            device=device,
+            runner="torchrun" if config.rendezvous == "env" else "processes",
         )
+        self.driver_fd = -1
+        self._base_store: Any = None
         self.join_group(config.generation)
 
     def join_group(self, generation: int) -> None:
@@ -342,9 +380,7 @@ class _Rank:
             c10d.set_debug_level(c10d.DebugLevel.DETAIL)
         self.ctx.forget_meshes()
         internals.clear_dtensor_plan_caches()
-        store = c10d.FileStore(
-            os.path.join(self.config.directory, f"store.{generation}"), self.config.world_size
-        )
+        store = self._store(generation)
         accelerator = self.ctx.device.type != "cpu"
         # init_process_group wraps sys.excepthook each time; a rank reset in place hundreds
         # of times would otherwise report an uncaught error through as many wrappers.
@@ -367,7 +403,22 @@ class _Rank:
                 f"({self.config.backend!r})"
             )
 
+    def _store(self, generation: int) -> Any:
+        """The rendezvous of group ``generation``."""
+        import torch.distributed as dist
+        from torch._C import _distributed_c10d as c10d
+
+        config = self.config
+        if config.rendezvous == "file":
+            path = os.path.join(config.directory, f"store.{generation}")
+            return c10d.FileStore(path, config.world_size)
+        if self._base_store is None:  # releasing peers leaves its sockets (on MASTER_PORT)
+            rendezvous = dist.rendezvous  # type: ignore[attr-defined]
+            self._base_store, _, _ = next(rendezvous("env://", timeout=_STORE_TIMEOUT))
+        return c10d.PrefixStore(f"distconf/{config.round}/{generation}/", self._base_store)
+
     def serve(self, conn: Connection) -> None:
+        self.driver_fd = conn.fileno()
         while True:
             try:
                 kind, body = pickle.loads(conn.recv_bytes())
@@ -414,7 +465,9 @@ class _Rank:
         if dist.is_initialized():
             dist.destroy_process_group()
         if self.config.backend != "nccl":  # nccl's destroy aborts its communicators
-            _disconnect_gloo_pairs()
+            env_store = self.config.rendezvous == "env"
+            store_port = int(os.environ.get("MASTER_PORT", -1)) if env_store else -1
+            _disconnect_gloo_pairs(self.driver_fd, store_port)
 
     def control(self, kind: str, argument: Any) -> RankOutcome:
         rank = self.config.rank

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import traceback
 import unittest
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeAlias, TypeVar
 
@@ -91,6 +91,16 @@ def released_outcome(
         seen.add(id(current))
         current = current.__context__
     return None
+
+
+RANK_PROCESS_RUNNERS = ("processes", "torchrun")
+"""Runners whose ranks are processes with a real process-group backend: what a test marked
+or a deviation keyed ``processes`` is about holds on torchrun's ranks too."""
+
+
+def answers_to(runner: str, names: Collection[str]) -> bool:
+    """Whether ``runner`` is one of ``names``, a torchrun World counting as ``processes``."""
+    return runner in names or ("processes" in names and runner in RANK_PROCESS_RUNNERS)
 
 
 def is_skip(exc: BaseException) -> bool:

@@ -60,6 +60,8 @@ def largest_world(runner: str, device: str) -> tuple[int, str]:
         if processes != resource.RLIM_INFINITY and processes // 4 < limit:
             limit, why = processes // 4, f"a quarter of this user's process limit ({processes})"
         return limit, why
+    if runner == "torchrun":
+        return 2**31, "ranks on the nodes torchrun starts (the driver cannot count them)"
     if device != "cpu":
         from harness.torchkit import devices
 

@@ -46,7 +46,6 @@ import multiprocessing
 import os
 import pickle
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -77,17 +76,6 @@ MAIN_GUARD = (
     "functions defined there can be called in them), and run its top-level code again: open "
     'and use Worlds only under `if __name__ == "__main__":` in the driver script'
 )
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 @functools.cache
@@ -376,7 +364,7 @@ class _Pool:
 
     def _exit_story(self, rank: int) -> str:
         """How the rank's process ended, where, and its last stderr lines."""
-        story = _describe_exit(self.processes[rank].exitcode)
+        story = _rank_process.describe_exit(self.processes[rank].exitcode)
         if not os.path.exists(self.stack_path(rank)):
             self.retryable = False
             story += _before_entry_point()
@@ -404,7 +392,7 @@ class _Pool:
             return RankOutcome(
                 rank,
                 "crashed",
-                summary=_describe_exit(self.processes[rank].exitcode),
+                summary=_rank_process.describe_exit(self.processes[rank].exitcode),
                 traceback=self._new_stack_text(rank) + self._stderr_tail(rank),
             )
         stack = self._dump_stack(rank)

@@ -1,0 +1,260 @@
+"""A rank agent: what ``python -m harness.attach`` runs in each process torchrun starts.
+
+The agent is a supervisor of one rank process. It reads who it is from torchrun's
+environment, connects to the driver twice over the authenticated channel (``_channel``): a
+control connection it keeps, and a rank connection it hands to the rank process it starts
+(``_rank_process.main``, the process runner's rank code, on a socket instead of a pipe,
+joining the process group through torchrun's store). On the control connection it answers
+the driver's requests for the rank's Python stack (faulthandler, as the process runner does),
+starts the rank anew when the driver asks (it ran past a deadline), and reports how the rank
+ended when it dies on its own; then the agent ends the same way, so that torchrun sees the
+failure and restarts the workers (``--max-restarts``) or gives up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+from harness.runners import _channel, _rank_process
+
+CONNECT_TIMEOUT = 120.0
+_STACK_WAIT = 1.0
+_STDERR_LINES = 20
+
+
+def agent_info() -> _channel.AgentInfo:
+    """This process's place in torchrun's world, from the environment torchrun sets."""
+    env = os.environ
+    missing = [name for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if name not in env]
+    if missing:
+        raise SystemExit(
+            f"harness.attach runs under torchrun: {', '.join(missing)} not set "
+            "(torchrun ... -m harness.attach --driver HOST:PORT)"
+        )
+    return _channel.AgentInfo(
+        rank=int(env["RANK"]),
+        world_size=int(env["WORLD_SIZE"]),
+        local_rank=int(env["LOCAL_RANK"]),
+        node=int(env.get("GROUP_RANK", "0")),
+        host=socket.gethostname(),
+        restart=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        max_restarts=int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")),
+        pid=os.getpid(),
+    )
+
+
+def _connect(driver: tuple[str, int], token: bytes, timeout: float) -> Connection:
+    """Connect, retrying while the driver is not listening yet."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return _channel.connect(driver, token, timeout=_channel.HANDSHAKE_TIMEOUT)
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+class _Supervisor:
+    def __init__(self, driver: tuple[str, int], token: bytes, info: _channel.AgentInfo) -> None:
+        self.driver, self.token, self.info = driver, token, info
+        self.dir = tempfile.mkdtemp(prefix="distconf-agent-")
+        self.control = _connect(driver, token, CONNECT_TIMEOUT)
+        self.control.send_bytes(pickle.dumps(("supervisor", info)))
+        kind, body = pickle.loads(self.control.recv_bytes())
+        if kind != "settings":
+            raise SystemExit(f"harness.attach: the driver refused this agent: {body}")
+        self.settings: _channel.AgentSettings = body
+        self.serial = 0
+        self.child: Any = None
+        self.stack_offset = 0
+        self.stderr_offset = 0
+
+    def start_rank(self, generation: int) -> None:
+        """A rank process on a new rank connection, joining group ``generation``."""
+        self.serial += 1
+        conn = _connect(self.driver, self.token, CONNECT_TIMEOUT)
+        conn.send_bytes(pickle.dumps(("rank", self.info, self.serial)))
+        info, settings = self.info, self.settings
+        config = _rank_process.RankConfig(
+            rank=info.rank,
+            world_size=info.world_size,
+            device=settings.device,
+            directory=self.dir,
+            parent_pid=os.getpid(),
+            strict_collectives=settings.strict_collectives,
+            generation=generation,
+            gloo_interface=os.environ.get(_rank_process.GLOO_INTERFACE_VAR, ""),
+            backend=settings.backend,
+            backend_plugins=settings.backend_plugins,
+            rendezvous="env",
+            device_index=info.local_rank,
+            round=settings.round,
+        )
+        self.stack_offset = 0
+        self.stderr_offset = _size(_rank_process.stderr_path(self.dir, info.rank))
+        context = multiprocessing.get_context("spawn")
+        self.child = context.Process(
+            target=_rank_process.main, args=(config, conn), name=f"distconf-rank{info.rank}"
+        )
+        try:
+            self.child.start()
+        finally:
+            conn.close()
+
+    def serve(self) -> int:
+        """Answer the driver until it says stop or goes; the exit code the agent ends with
+        (negative: the signal that killed the rank)."""
+        self.start_rank(0)
+        while True:
+            ready = wait([self.control, self.child.sentinel])
+            if self.control in ready:
+                try:
+                    kind, argument = pickle.loads(self.control.recv_bytes())
+                except (EOFError, OSError):
+                    return 0  # the driver is gone: nothing left to serve
+                if kind == "stop":
+                    return self.stop(float(argument))
+                self.answer(kind, argument)
+            elif self.child.sentinel in ready:
+                self.child.join()
+                code = int(self.child.exitcode)
+                if code == 0:
+                    return 0  # a rank leaves only when told to, or when the driver is gone
+                with contextlib.suppress(OSError):
+                    self.control.send_bytes(pickle.dumps(("exited", (code, self.exit_story(code)))))
+                return code
+
+    def answer(self, kind: str, argument: Any) -> None:
+        if kind == "stack":
+            self.control.send_bytes(pickle.dumps(("stack", self.stack())))
+        elif kind == "respawn":
+            self.kill_rank()
+            self.start_rank(int(argument))
+        else:
+            raise AssertionError(f"the driver sent an unknown request {kind!r}")
+
+    def stack(self) -> str:
+        """Every thread's Python stack in the rank, from its faulthandler."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.child.pid, _rank_process.STACK_SIGNAL)
+        deadline = time.monotonic() + _STACK_WAIT
+        text = ""
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            text += self.new_stack_text()
+            if "File" in text:
+                time.sleep(0.05)
+                return text + self.new_stack_text()
+        return text or "(no stack: the rank did not answer the stack signal)"
+
+    def new_stack_text(self) -> str:
+        try:
+            path = _rank_process.stack_path(self.dir, self.info.rank)
+            with open(path, encoding="utf-8", errors="replace") as handle:
+                handle.seek(self.stack_offset)
+                text = handle.read()
+                self.stack_offset = handle.tell()
+        except OSError:
+            return ""
+        return text
+
+    def exit_story(self, code: int) -> str:
+        how = _rank_process.describe_exit(code)
+        story = f"{self.info.where()}: its rank process (pid {self.child.pid}) {how}"
+        stack = self.new_stack_text().strip()
+        if stack:
+            story += f"\n{stack}"
+        try:
+            with open(_rank_process.stderr_path(self.dir, self.info.rank), "rb") as handle:
+                handle.seek(self.stderr_offset)
+                lines = handle.read().decode("utf-8", errors="replace").rstrip().splitlines()
+        except OSError:
+            lines = []
+        tail = lines[-_STDERR_LINES:]
+        if tail:
+            story += f"\n  last {len(tail)} lines of its stderr:\n"
+            story += "\n".join(f"  | {line}" for line in tail)
+        return story
+
+    def stop(self, grace: float) -> int:
+        """The driver is done: let the rank leave within ``grace`` (it was told to), or end
+        it."""
+        self.child.join(grace)
+        self.kill_rank()
+        return 0
+
+    def kill_rank(self) -> None:
+        if self.child is not None and self.child.is_alive():
+            self.child.kill()
+        if self.child is not None:
+            self.child.join()
+
+    def close(self) -> None:
+        self.kill_rank()
+        self.control.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _leave(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # torchrun stops the workers: clean up on the way out
+
+
+def _end_like(code: int) -> int:
+    """Exit as the rank did: by its signal (torchrun then names it), or with its code."""
+    if code < 0:
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL has no handler to reset
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        time.sleep(1)
+        return 128 - code
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m harness.attach",
+        description="serve a distconf driver as one rank: run under torchrun",
+    )
+    parser.add_argument("--driver", required=True, help="the driver's HOST:PORT (its --listen)")
+    parser.add_argument(
+        "--token-file",
+        type=Path,
+        default=None,
+        help=f"file holding the session's token (default: ${_channel.TOKEN_VAR})",
+    )
+    args = parser.parse_args(argv)
+    try:
+        driver = _channel.parse_address("--driver", args.driver)
+        token = _channel.load_token(args.token_file)
+    except Exception as exc:
+        parser.error(str(exc))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun stops its workers with SIGTERM
+    signal.signal(signal.SIGTERM, _leave)
+    supervisor = _Supervisor(driver, token, agent_info())
+    try:
+        code = supervisor.serve()
+    finally:
+        supervisor.close()
+    sys.stdout.flush()
+    return _end_like(code)
