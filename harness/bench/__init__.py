@@ -1,8 +1,10 @@
 """Benchmarks that print figures (never timed assertions): ``python -m harness bench``.
 
 ``properties``: examples per second of the placement properties (``properties.py``).
-``overhead``: milliseconds per ``world.run`` for both runners at world sizes 2 and 4, on a
-trivial and on a placement body, against spawning ranks per check (``overhead.py``).
+``overhead``: milliseconds per ``world.run`` for the thread and process runners at world
+sizes 2 and 4, on a trivial and on a placement body, against spawning ranks per check, and the
+torchrun runner's at world size 4 (two local "nodes") against the process runner's
+(``overhead.py``).
 ``soak``: a World per runner takes thousands of calls, every tenth failing; calls lost or
 misattributed, memory growth and slowdown (``soak.py``; not part of ``all``).
 
@@ -59,7 +61,32 @@ def run_overhead(world_sizes: list[int], calls: int, trials: int) -> list[dict[s
                     f"{runner:<11}{world_size:>3}{body:>11}{call_ms:>10.3f}"
                     f"{spawn_ms:>11.0f}{row['ratio']:>9.0f}x"
                 )
+    rows += _torchrun_rows(rows, calls)
     return rows
+
+
+def _torchrun_rows(rows: list[dict[str, Any]], calls: int) -> list[dict[str, Any]]:
+    """The torchrun runner at world size 4 (two local "nodes" of two ranks), against the
+    process runner's rows of this run."""
+    from harness.bench import overhead
+
+    processes = {
+        r["body"]: r["ms_per_call"]
+        for r in rows
+        if r["runner"] == "processes" and r["world_size"] == 4
+    }
+    print("\ntorchrun (--nnodes 2 --nproc-per-node 2) against processes, world size 4")
+    print(f"{'runner':<11}{'ws':>3}{'body':>11}{'ms/call':>10}{'processes':>11}{'ratio':>10}")
+    torchrun_rows = []
+    for body in ("trivial", "placement"):
+        call_ms = overhead.time_calls("torchrun", 4, body, calls)
+        against = processes.get(body)
+        row = {"runner": "torchrun", "world_size": 4, "body": body, "ms_per_call": call_ms}
+        row["processes_ms_per_call"] = against
+        torchrun_rows.append(row)
+        shown = f"{against:>11.3f}{call_ms / against:>9.2f}x" if against else f"{'-':>11}"
+        print(f"{'torchrun':<11}{4:>3}{body:>11}{call_ms:>10.3f}{shown}")
+    return torchrun_rows
 
 
 SOAK_CALLS, OVERHEAD_CALLS = 2000, 300
@@ -79,9 +106,8 @@ def main(
     the default runner for ``properties``, every runner for ``soak``."""
     if what == "soak":
         from harness.bench import soak
-        from harness.runners import RUNNERS
 
-        runners = (runner,) if runner else RUNNERS
+        runners = (runner,) if runner else soak.SOAK_RUNNERS
         return soak.main(calls or SOAK_CALLS, world_size, runners, as_json)
     calls = calls or OVERHEAD_CALLS
     check_int("world_size", world_size)

@@ -52,7 +52,15 @@ def time_calls(runner: str, world_size: int, body: str, calls: int) -> float:
     from harness import open_world
 
     fn, argument_lists = _body(body, world_size)
-    with open_world(runner, world_size=world_size) as world:
+    torchrun = None
+    if runner == "torchrun":  # two local "nodes", torchrun started here
+        from harness.runners.torchrun import TorchrunOptions
+
+        nodes = 2 if world_size % 2 == 0 else 1
+        torchrun = TorchrunOptions(
+            world_size=world_size, nnodes=nodes, nproc_per_node=world_size // nodes
+        )
+    with open_world(runner, world_size=world_size, torchrun=torchrun) as world:
         for args in argument_lists:
             world.run(fn, *args)  # warm: ranks started, every mesh built
         started = time.perf_counter()

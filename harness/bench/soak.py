@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from harness.errors import DistconfError, check_int, check_one_of, require
-from harness.runners import RUNNERS, RankFailure, World, make_world
+from harness.runners import RankFailure, World, make_world
 from harness.torchkit.context import RankContext
 
 FAIL_EVERY = 10
@@ -49,6 +49,9 @@ KINDS: dict[str, tuple[str, ...]] = {
 }
 RSS_TARGET_MB = 50.0
 SLOWDOWN_TARGET = 1.2
+
+SOAK_RUNNERS = ("threads", "processes")
+"""The runners ``soak`` serves (torchrun's ranks cannot be killed and respawned by it)."""
 
 
 # --- rank side -------------------------------------------------------------------------
@@ -389,9 +392,9 @@ def main(calls: int, world_size: int, runners: tuple[str, ...], as_json: bool) -
     """Soak each of ``runners`` in turn; 1 when a call was lost, misattributed or wrong."""
     check_int("calls", calls, minimum=FAIL_EVERY)
     check_int("world_size", world_size, minimum=2)
-    require(bool(runners), "runners", runners, f"a non-empty tuple of {RUNNERS}")
+    require(bool(runners), "runners", runners, f"a non-empty tuple of {SOAK_RUNNERS}")
     for runner in runners:
-        check_one_of("runner", runner, RUNNERS)
+        check_one_of("runner", runner, SOAK_RUNNERS)
     results = []
     for runner in runners:
         result = soak(runner, world_size, calls)

@@ -90,7 +90,8 @@ def check_capacity(
     from harness.torchkit import devices
 
     devices.check_plugins(backend_plugins)
-    devices.check_device(device)
+    if runner != "torchrun":  # torchrun's ranks use the devices of its nodes, not this one's
+        devices.check_device(device)
     chosen = resolve_backend(runner, device, backend)
     sizes = tuple(world_sizes)
     if not sizes:

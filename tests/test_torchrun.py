@@ -1,0 +1,263 @@
+"""The torchrun runner: ranks torchrun starts attach to the driver over the authenticated
+channel, serve the suites with the process runner's outcomes, and fail as the other runners
+do. The Worlds here are two torchrun "nodes" of two processes each on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import RankFailure, WorldStartError
+from harness.config import RunConfig
+from harness.errors import InvalidArgument
+from harness.results import read_results
+from harness.runners import _channel, make_world
+from harness.runners.torchrun import TorchrunOptions
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKEN = "a-token-for-the-tests-only-0123456789"
+WORLD_SIZE = 4
+
+
+@pytest.fixture
+def ranks_import_this_module(monkeypatch):
+    """torchrun's workers load the drill functions by this module's name."""
+    paths = [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
+
+
+def _launched(max_restarts: int, timeout: float = 20.0):
+    options = TorchrunOptions(
+        world_size=WORLD_SIZE, nproc_per_node=2, nnodes=2, max_restarts=max_restarts
+    )
+    return make_world("torchrun", WORLD_SIZE, torchrun=options, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def restartable():
+    paths = [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
+        world = _launched(max_restarts=1)
+        try:
+            world.start()
+            yield world
+        finally:
+            world.close()
+
+
+# --- what the ranks run ----------------------------------------------------------------------
+
+
+def _sum_of_ranks(ctx):
+    tensor = torch.tensor([float(ctx.rank)])
+    dist.all_reduce(tensor)
+    return tensor.item(), ctx.runner
+
+
+def _raises_on_rank_1(ctx):
+    if ctx.rank == 1:
+        raise ValueError("rank 1 refuses")
+    dist.barrier()
+
+
+def _hangs_on_rank_2(ctx):
+    if ctx.rank == 2:
+        while True:
+            time.sleep(0.05)
+    dist.barrier()
+
+
+def _killed_on_rank_3(ctx):
+    if ctx.rank == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+def _assert_serves_next_call(world):
+    assert world.run(_sum_of_ranks) == [(6.0, "torchrun")] * WORLD_SIZE
+
+
+# --- drills ------------------------------------------------------------------------------------
+
+
+def test_an_exception_names_its_rank_and_the_world_goes_on(restartable):
+    with pytest.raises(RankFailure) as info:
+        restartable.run(_raises_on_rank_1)
+    failure = info.value
+    assert failure.primary.rank == 1
+    assert failure.statuses == {0: "waiting", 1: "error", 2: "waiting", 3: "waiting"}
+    assert "ValueError: rank 1 refuses" in failure.primary.summary
+    assert "_raises_on_rank_1" in failure.primary.traceback
+    _assert_serves_next_call(restartable)
+
+
+def test_a_hang_gives_the_stack_of_every_rank_and_the_world_goes_on(restartable):
+    with pytest.raises(RankFailure) as info:
+        restartable.run(_hangs_on_rank_2, timeout=3.0)
+    failure = info.value
+    assert failure.timed_out
+    assert failure.primary.rank == 2
+    assert failure.statuses == {0: "waiting", 1: "waiting", 2: "timeout", 3: "waiting"}
+    for outcome in failure.outcomes:  # each rank's stack, gathered over the channel
+        assert "_hangs_on_rank_2" in outcome.traceback, outcome
+    assert "in barrier" in failure.outcomes[0].traceback
+    assert restartable.check_health()
+    _assert_serves_next_call(restartable)
+
+
+def test_a_killed_rank_is_restarted_by_torchrun_and_the_session_goes_on(restartable):
+    attaches = restartable.attaches
+    with pytest.raises(RankFailure) as info:
+        restartable.run(_killed_on_rank_3)
+    failure = info.value
+    assert failure.primary.rank == 3
+    assert failure.primary.status == "crashed"
+    assert "rank 3 on node 1" in failure.primary.summary
+    assert "killed by signal SIGKILL" in failure.primary.summary
+    restartable.check_health()
+    _assert_serves_next_call(restartable)  # on agents torchrun restarted
+    assert restartable.attaches == attaches + 1
+
+
+def test_with_no_restarts_left_the_remaining_calls_are_crashed(ranks_import_this_module):
+    world = _launched(max_restarts=0)
+    try:
+        _assert_serves_next_call(world)
+        with pytest.raises(RankFailure):
+            world.run(_killed_on_rank_3)
+        for _ in range(2):  # every later call: crashed at once, naming rank, node and exit
+            started = time.monotonic()
+            with pytest.raises(RankFailure) as info:
+                world.run(_sum_of_ranks)
+            assert time.monotonic() - started < 5.0
+            failure = info.value
+            assert failure.primary.rank == 3
+            assert failure.primary.status == "crashed"
+            assert "rank 3 on node 1" in failure.primary.summary
+            assert "killed by signal SIGKILL" in failure.primary.summary
+            assert "no restarts left (--max-restarts=0)" in failure.describe()
+    finally:
+        world.close()
+
+
+def test_a_function_of_the_drivers_main_is_refused(restartable):
+    def local(ctx):
+        return ctx.rank
+
+    local.__module__ = "__main__"
+    with pytest.raises(InvalidArgument, match=r"fn=.* must be a function of an importable module"):
+        restartable.run(local)
+
+
+# --- attaching ---------------------------------------------------------------------------------
+
+
+def test_a_wrong_token_is_refused_before_any_pickle(caplog):
+    listener = _channel.AgentListener(("127.0.0.1", 0), TOKEN.encode())
+    try:
+        with pytest.raises(ConnectionError):
+            _channel.connect(listener.address, b"not-the-token-0123456789", timeout=5.0)
+        good = _channel.connect(listener.address, TOKEN.encode(), timeout=5.0)
+        good.send_bytes(b"\x80\x04N.")  # a pickle: None
+        arrival = listener.next(timeout=5.0)
+        assert arrival is not None and arrival[0] is None
+        arrival[1].close()
+        good.close()
+    finally:
+        listener.close()
+    assert len(listener.refused) == 1 and listener.refused[0].endswith("wrong token")
+    assert "refused a connection from 127.0.0.1" in caplog.text
+
+
+def test_an_impostor_driver_is_refused_by_the_agent():
+    listener = _channel.AgentListener(("127.0.0.1", 0), b"the-impostor-knows-another-token")
+    try:
+        with pytest.raises(ConnectionError):
+            _channel.connect(listener.address, TOKEN.encode(), timeout=5.0)
+    finally:
+        listener.close()
+
+
+def test_agents_that_never_attach_fail_the_start_after_the_attach_timeout(monkeypatch):
+    monkeypatch.setenv(_channel.TOKEN_VAR, TOKEN)
+    options = TorchrunOptions(world_size=WORLD_SIZE, attach_timeout=1.5)
+    world = make_world("torchrun", WORLD_SIZE, torchrun=options)
+    try:
+        with pytest.raises(ConnectionError):  # and one with the wrong token, refused
+            _channel.connect(world.address, b"not-the-token-0123456789", timeout=5.0)
+        started = time.monotonic()
+        with pytest.raises(WorldStartError) as info:
+            world.start()
+        assert time.monotonic() - started < 10.0
+        message = str(info.value)
+        assert "--attach-timeout=1.5 s passed before 4 agents attached to 127.0.0.1:" in message
+        assert "ranks [0, 1, 2, 3] missing (0 attached)" in message
+        assert "wrong token" in message
+        with pytest.raises(WorldStartError):  # at once: the World does not wait again
+            world.run(_sum_of_ranks)
+    finally:
+        world.close()
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"nproc_per_node": 2}, "nproc_per_node=2 must be left unset without --runner torchrun"),
+        ({"runner": "torchrun"}, "world_sizes='1,2,3,4' must be one size with --runner torchrun"),
+        ({"runner": "torchrun", "nproc_per_node": 2, "workers": 2}, "workers=2 must be 1"),
+        ({"runner": "torchrun", "world_sizes": (4,), "listen": "nowhere"}, "listen='nowhere'"),
+        ({"runner": "torchrun", "nproc_per_node": 2, "faults": ("x",)}, "faults=('x',) must"),
+    ],
+)
+def test_torchrun_options_are_refused_before_anything_starts(fields, expected):
+    with pytest.raises(InvalidArgument, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        RunConfig(**fields)
+
+
+def test_agents_started_elsewhere_need_the_token_before_anything_starts(monkeypatch, tmp_path):
+    monkeypatch.delenv(_channel.TOKEN_VAR, raising=False)
+    config = RunConfig(runner="torchrun", world_sizes=(4,), out=tmp_path)
+    with pytest.raises(InvalidArgument, match=r"DISTCONF_TOKEN='<unset>' must be a shared"):
+        config.check_machine()
+
+
+# --- the suites --------------------------------------------------------------------------------
+
+
+def _harness_run(out: Path, *options: str) -> subprocess.Popen[str]:
+    command = [
+        sys.executable, "-m", "harness", "run", "--suite", "placements,uneven",
+        "--profile", "dev", "--seed", "1", "--jobs", "1", "--out", str(out), *options,
+    ]  # fmt: skip
+    return subprocess.Popen(
+        command, cwd=out.parent, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def _outcomes_by_spec(out: Path) -> dict[str, str]:
+    tests = [t for f in sorted(out.glob("results*.jsonl")) for t in read_results(f).tests]
+    return {f"{t['spec']} ws{t['world_size']}": t["status"] for t in tests}
+
+
+def test_the_suites_on_two_torchrun_nodes_match_the_process_runner(tmp_path):
+    processes = _harness_run(tmp_path / "processes", "--runner", "processes", "--world-sizes", "4")
+    processes_output, _ = processes.communicate(timeout=900)
+    torchrun = _harness_run(
+        tmp_path / "torchrun", "--runner", "torchrun", "--nproc-per-node", "2", "--nnodes", "2"
+    )
+    torchrun_output, _ = torchrun.communicate(timeout=900)
+    assert processes.returncode == 0, processes_output[-3000:]
+    assert torchrun.returncode == 0, torchrun_output[-3000:]
+    expected = _outcomes_by_spec(tmp_path / "processes")
+    assert sum(status == "passed" for status in expected.values()) >= 15
+    assert _outcomes_by_spec(tmp_path / "torchrun") == expected
