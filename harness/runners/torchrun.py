@@ -153,6 +153,14 @@ class TorchrunWorld(PersistentWorld["Agents | Dead"]):
             listener = _channel.AgentListener(address, _channel.load_token(options.token_file))
         if not _channel.is_loopback(address[0]):
             _warn_beyond_loopback(listener.address)
+        if not options.launches:
+            host, port = listener.address
+            print(
+                f"distconf: waiting up to {options.attach_timeout:g} s for {self.world_size} "
+                f"agents: torchrun ... -m harness.attach --driver {host}:{port}",
+                file=sys.__stderr__,
+                flush=True,
+            )
         self._inbox = Inbox(listener, self.world_size)
         return self._inbox
 
