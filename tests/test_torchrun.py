@@ -134,11 +134,12 @@ def test_with_no_restarts_left_the_remaining_calls_are_crashed(ranks_import_this
         _assert_serves_next_call(world)
         with pytest.raises(RankFailure):
             world.run(_killed_on_rank_3)
-        for _ in range(2):  # every later call: crashed at once, naming rank, node and exit
+        for _ in range(2):  # every later call: crashed, naming rank, node and exit
             started = time.monotonic()
             with pytest.raises(RankFailure) as info:
                 world.run(_sum_of_ranks)
-            assert time.monotonic() - started < 5.0
+            # never --attach-timeout (300 s): at most a few seconds for a late exit report
+            assert time.monotonic() - started < 20.0
             failure = info.value
             assert failure.primary.rank == 3
             assert failure.primary.status == "crashed"

@@ -37,6 +37,10 @@ class Inbox:
         if arrival is None:
             return
         hello, conn = arrival
+        if not _known_hello(hello):
+            conn.close()
+            self.listener.refused.append(f"a peer with the token sent {hello!r:.80}")
+            return
         if hello[0] == "rank":
             _, info, serial = hello
             self.rank_conns[(info.pid, serial)] = conn
@@ -77,6 +81,17 @@ class Inbox:
 
     def missing(self) -> list[int]:
         return [r for r in range(self.world_size) if r not in self.agents]
+
+
+def _known_hello(hello: Any) -> bool:
+    """``("rank", AgentInfo, serial)`` or ``("supervisor", AgentInfo)``."""
+    shapes = {"rank": 3, "supervisor": 2}
+    return (
+        isinstance(hello, tuple)
+        and bool(hello)
+        and len(hello) == shapes.get(hello[0], -1)
+        and isinstance(hello[1], _channel.AgentInfo)
+    )
 
 
 def closed(conn: Connection) -> bool:
@@ -135,14 +150,17 @@ class Agents:
         return bool(self.dead or self.agent_gone)
 
     def crash_story(self) -> tuple[int, str, bool]:
-        """The first rank that died, its story, and whether its torchrun may restart."""
-        rank = min(self.dead | self.agent_gone)
+        """The rank that died (the one its agent reported, once it did), its story, and
+        whether its torchrun may restart: the agents' own count says so, whether or not the
+        report came (a loaded machine may send it late; a vanished node never does)."""
+        ended = self.dead | self.agent_gone
+        self._await_agents(lambda: bool(ended & set(self.exits)) or ended <= self.agent_gone)
+        rank = min(ended & set(self.exits) or ended)
         info = self.info[rank]
-        code, story = self.exits.get(rank, (None, ""))
+        _, story = self.exits.get(rank, (None, ""))
         if not story:
             story = f"{info.where()}: its connections closed: the node or torchrun went away"
-        restarts_left = info.restart < info.max_restarts
-        return rank, story, restarts_left or code is None
+        return rank, story, info.restart < info.max_restarts
 
     # --- calls -------------------------------------------------------------------------
 
