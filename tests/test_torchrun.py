@@ -27,11 +27,15 @@ TOKEN = "a-token-for-the-tests-only-0123456789"
 WORLD_SIZE = 4
 
 
-@pytest.fixture
-def ranks_import_this_module(monkeypatch):
+def _pythonpath_with_this_module() -> str:
     """torchrun's workers load the drill functions by this module's name."""
     paths = [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
+    return os.pathsep.join(filter(None, paths))
+
+
+@pytest.fixture
+def ranks_import_this_module(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", _pythonpath_with_this_module())
 
 
 def _launched(max_restarts: int, timeout: float = 20.0):
@@ -43,9 +47,8 @@ def _launched(max_restarts: int, timeout: float = 20.0):
 
 @pytest.fixture(scope="module")
 def restartable():
-    paths = [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
+        patch.setenv("PYTHONPATH", _pythonpath_with_this_module())
         world = _launched(max_restarts=1)
         try:
             world.start()

@@ -31,8 +31,6 @@ from typing import Any
 from harness.runners import _channel, _rank_process
 
 CONNECT_TIMEOUT = 120.0
-_STACK_WAIT = 1.0
-_STDERR_LINES = 20
 
 
 def agent_info() -> _channel.AgentInfo:
@@ -80,8 +78,7 @@ class _Supervisor:
         self.settings: _channel.AgentSettings = body
         self.serial = 0
         self.child: Any = None
-        self.stack_offset = 0
-        self.stderr_offset = 0
+        self.files = _rank_process.RankFiles(self.dir, info.rank)
 
     def start_rank(self, generation: int) -> None:
         """A rank process on a new rank connection, joining group ``generation``."""
@@ -104,8 +101,7 @@ class _Supervisor:
             device_index=info.local_rank,
             round=settings.round,
         )
-        self.stack_offset = 0
-        self.stderr_offset = _size(_rank_process.stderr_path(self.dir, info.rank))
+        self.files.new_process()
         context = multiprocessing.get_context("spawn")
         self.child = context.Process(
             target=_rank_process.main, args=(config, conn), name=f"distconf-rank{info.rank}"
@@ -140,55 +136,20 @@ class _Supervisor:
 
     def answer(self, kind: str, argument: Any) -> None:
         if kind == "stack":
-            self.control.send_bytes(pickle.dumps(("stack", self.stack())))
+            self.control.send_bytes(pickle.dumps(("stack", self.files.dump_stack(self.child.pid))))
         elif kind == "respawn":
             self.kill_rank()
             self.start_rank(int(argument))
         else:
             raise AssertionError(f"the driver sent an unknown request {kind!r}")
 
-    def stack(self) -> str:
-        """Every thread's Python stack in the rank, from its faulthandler."""
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.child.pid, _rank_process.STACK_SIGNAL)
-        deadline = time.monotonic() + _STACK_WAIT
-        text = ""
-        while time.monotonic() < deadline:
-            time.sleep(0.05)
-            text += self.new_stack_text()
-            if "File" in text:
-                time.sleep(0.05)
-                return text + self.new_stack_text()
-        return text or "(no stack: the rank did not answer the stack signal)"
-
-    def new_stack_text(self) -> str:
-        try:
-            path = _rank_process.stack_path(self.dir, self.info.rank)
-            with open(path, encoding="utf-8", errors="replace") as handle:
-                handle.seek(self.stack_offset)
-                text = handle.read()
-                self.stack_offset = handle.tell()
-        except OSError:
-            return ""
-        return text
-
     def exit_story(self, code: int) -> str:
         how = _rank_process.describe_exit(code)
         story = f"{self.info.where()}: its rank process (pid {self.child.pid}) {how}"
-        stack = self.new_stack_text().strip()
+        stack = self.files.new_stack_text().strip()
         if stack:
             story += f"\n{stack}"
-        try:
-            with open(_rank_process.stderr_path(self.dir, self.info.rank), "rb") as handle:
-                handle.seek(self.stderr_offset)
-                lines = handle.read().decode("utf-8", errors="replace").rstrip().splitlines()
-        except OSError:
-            lines = []
-        tail = lines[-_STDERR_LINES:]
-        if tail:
-            story += f"\n  last {len(tail)} lines of its stderr:\n"
-            story += "\n".join(f"  | {line}" for line in tail)
-        return story
+        return story + self.files.stderr_tail()
 
     def stop(self, grace: float) -> int:
         """The driver is done: let the rank leave within ``grace`` (it was told to), or end
@@ -207,13 +168,6 @@ class _Supervisor:
         self.kill_rank()
         self.control.close()
         shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
 
 
 def _leave(signum: int, frame: object) -> None:

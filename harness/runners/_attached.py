@@ -172,9 +172,7 @@ class Agents:
         peer_failed = any(o.status == "error" for o in replies.values())
         outcomes = dict(replies) | self.missing_outcomes(missing)
         timed_out = any(outcomes[r].status != "crashed" for r in missing) and not peer_failed
-        if missing or any(o.status != "ok" for o in replies.values()):
-            self.dirty = True
-            self.broken |= set(missing) - self.dead
+        self._note_failure(replies, missing)
         return [outcomes[r] for r in range(self.world_size)], timed_out
 
     def healthy(self) -> bool:
@@ -183,11 +181,16 @@ class Agents:
         send(self.conns.values(), ("control", ("health", None)))
         expected = dict.fromkeys(self.conns, "health")
         replies, missing = self.gather(expected, time.monotonic() + CONTROL_TIMEOUT)
-        if missing or any(o.status != "ok" for o in replies.values()):
+        return not self._note_failure(replies, missing)
+
+    def _note_failure(self, replies: dict[int, RankOutcome], missing: list[int]) -> bool:
+        """After a call or health check: whether it failed; if so every rank joins a new
+        group before the next, and those that did not answer (alive) are started anew."""
+        failed = bool(missing) or any(o.status != "ok" for o in replies.values())
+        if failed:
             self.dirty = True
             self.broken |= set(missing) - self.dead
-            return False
-        return True
+        return failed
 
     def mend(self) -> bool:
         """Ranks that did not answer started anew by their agents, the others reset; all in a

@@ -66,6 +66,8 @@ PLUGIN_FAILURE = "importing the --backend-plugin modules in the rank"
 # The driver enforces every deadline; the group's own timeout only has to outlast them.
 _GROUP_TIMEOUT = timedelta(hours=2)
 _STORE_TIMEOUT = timedelta(minutes=5)
+_STACK_WAIT = 1.0
+_STDERR_LINES = 20
 
 
 @dataclass(frozen=True)
@@ -217,6 +219,67 @@ def stack_path(directory: str, rank: int) -> str:
 
 def stderr_path(directory: str, rank: int) -> str:
     return os.path.join(directory, f"stderr.{rank}.txt")
+
+
+class RankFiles:
+    """One rank's stack and stderr files in ``directory``, each read from where the last read
+    stopped: what the rank process now running wrote, not its predecessors."""
+
+    def __init__(self, directory: str, rank: int) -> None:
+        self.stack, self.stderr = stack_path(directory, rank), stderr_path(directory, rank)
+        self.stack_offset = self.stderr_offset = 0
+
+    def new_process(self) -> None:
+        """A new process of this rank starts: its stack file anew (it makes it when it reaches
+        its ``main``), its stderr read from here on."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.stack)
+        self.stack_offset = 0
+        try:
+            self.stderr_offset = os.path.getsize(self.stderr)
+        except OSError:
+            self.stderr_offset = 0
+
+    def new_stack_text(self) -> str:
+        try:
+            with open(self.stack, encoding="utf-8", errors="replace") as handle:
+                handle.seek(self.stack_offset)
+                text = handle.read()
+                self.stack_offset = handle.tell()
+        except OSError:
+            return ""
+        return text
+
+    def dump_stack(self, pid: int) -> str:
+        """Ask faulthandler in process ``pid`` for every thread's stack and read it back."""
+        try:
+            os.kill(pid, STACK_SIGNAL)
+        except ProcessLookupError:
+            return "(process gone)"
+        deadline = time.monotonic() + _STACK_WAIT
+        text = ""
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            text += self.new_stack_text()
+            if text.rstrip().endswith(")") or "File" in text:
+                time.sleep(0.05)
+                return text + self.new_stack_text()
+        return text or "(no stack: the rank did not answer the stack signal)"
+
+    def stderr_tail(self) -> str:
+        """The last lines the process wrote to its stderr, indented for a failure's text."""
+        try:
+            with open(self.stderr, "rb") as handle:
+                handle.seek(self.stderr_offset)
+                text = handle.read().decode("utf-8", errors="replace")
+        except OSError:
+            return ""
+        lines = text.rstrip().splitlines()[-_STDERR_LINES:]
+        if not lines:
+            return "\n  (its stderr is empty)"
+        return f"\n  last {len(lines)} lines of its stderr:\n" + "\n".join(
+            f"  | {line}" for line in lines
+        )
 
 
 def process_name(directory: str, rank: int) -> str:

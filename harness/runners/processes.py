@@ -62,10 +62,8 @@ from harness.runners.world import PersistentWorld
 RUNNER = "processes"
 _START_TIMEOUT = 180.0
 _CONTROL_TIMEOUT = 30.0
-_STACK_WAIT = 1.0
 _START_ATTEMPTS = 3
 _REAP_WAIT = 5.0
-_STDERR_LINES = 20
 _PEER_GRACE = 2.0
 """Seconds the other ranks get to answer once one rank failed the call: the call has failed
 anyway, and ranks blocked in a collective with the failed rank would hold the driver to the
@@ -109,8 +107,6 @@ class _Pool:
         self.generation = 0
         self.processes: list[Any] = []
         self.conns: list[Connection] = []
-        self.stack_offsets = [0] * world_size
-        self.stderr_offsets = [0] * world_size
         self.gone: set[int] = set()
         self.broken: set[int] = set()
         """Ranks killed because a call or health check left them unusable; respawned by
@@ -120,12 +116,7 @@ class _Pool:
         self.retryable = True
         """False once a rank died before its entry point: starting again would fail alike."""
         self.dir = tempfile.mkdtemp(prefix="distconf-world-")
-
-    def stack_path(self, rank: int) -> str:
-        return _rank_process.stack_path(self.dir, rank)
-
-    def stderr_path(self, rank: int) -> str:
-        return _rank_process.stderr_path(self.dir, rank)
+        self.files = [_rank_process.RankFiles(self.dir, rank) for rank in range(world_size)]
 
     @property
     def needs_repair(self) -> bool:
@@ -210,10 +201,7 @@ class _Pool:
     def _launch(self, rank: int) -> tuple[Any, Connection]:
         """Start a process for ``rank`` joining the current group generation."""
         context = _rank_context()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.stack_path(rank))  # the rank makes it anew: it reached its main
-        self.stack_offsets[rank] = 0
-        self.stderr_offsets[rank] = _size(self.stderr_path(rank))
+        self.files[rank].new_process()
         self.gone.discard(rank)
         ours, theirs = context.Pipe()
         config = _rank_process.RankConfig(
@@ -365,27 +353,13 @@ class _Pool:
     def _exit_story(self, rank: int) -> str:
         """How the rank's process ended, where, and its last stderr lines."""
         story = _rank_process.describe_exit(self.processes[rank].exitcode)
-        if not os.path.exists(self.stack_path(rank)):
+        if not os.path.exists(self.files[rank].stack):
             self.retryable = False
             story += _before_entry_point()
-        stack = self._new_stack_text(rank).strip()
+        stack = self.files[rank].new_stack_text().strip()
         if stack:
             story += f"\n{stack}"
-        return story + self._stderr_tail(rank)
-
-    def _stderr_tail(self, rank: int) -> str:
-        try:
-            with open(self.stderr_path(rank), "rb") as handle:
-                handle.seek(self.stderr_offsets[rank])
-                text = handle.read().decode("utf-8", errors="replace")
-        except OSError:
-            return ""
-        lines = text.rstrip().splitlines()[-_STDERR_LINES:]
-        if not lines:
-            return "\n  (its stderr is empty)"
-        return f"\n  last {len(lines)} lines of its stderr:\n" + "\n".join(
-            f"  | {line}" for line in lines
-        )
+        return story + self.files[rank].stderr_tail()
 
     def _missing_outcome(self, rank: int) -> RankOutcome:
         if self._reaped(rank):
@@ -393,9 +367,9 @@ class _Pool:
                 rank,
                 "crashed",
                 summary=_rank_process.describe_exit(self.processes[rank].exitcode),
-                traceback=self._new_stack_text(rank) + self._stderr_tail(rank),
+                traceback=self.files[rank].new_stack_text() + self.files[rank].stderr_tail(),
             )
-        stack = self._dump_stack(rank)
+        stack = self.files[rank].dump_stack(self.processes[rank].pid)
         if _rank_process.in_collective(stack):
             return RankOutcome(rank, "waiting", summary="waiting in a collective", traceback=stack)
         return RankOutcome(rank, "timeout", summary="still running", traceback=stack)
@@ -403,42 +377,9 @@ class _Pool:
     def _pipe_closed(self, rank: int) -> bool:
         return bool(self.processes[rank].sentinel in wait([self.processes[rank].sentinel], 0))
 
-    def _dump_stack(self, rank: int) -> str:
-        """Ask faulthandler in the rank for every thread's stack and read it back."""
-        try:
-            os.kill(self.processes[rank].pid, _rank_process.STACK_SIGNAL)
-        except ProcessLookupError:
-            return "(process gone)"
-        deadline = _deadline(_STACK_WAIT)
-        text = ""
-        while time.monotonic() < deadline:
-            time.sleep(0.05)
-            text += self._new_stack_text(rank)
-            if text.rstrip().endswith(")") or "File" in text:
-                time.sleep(0.05)
-                return text + self._new_stack_text(rank)
-        return text or "(no stack: the rank did not answer the stack signal)"
-
-    def _new_stack_text(self, rank: int) -> str:
-        try:
-            with open(self.stack_path(rank), encoding="utf-8", errors="replace") as handle:
-                handle.seek(self.stack_offsets[rank])
-                text = handle.read()
-                self.stack_offsets[rank] = handle.tell()
-        except OSError:
-            return ""
-        return text
-
 
 def _deadline(seconds: float) -> float:
     return time.monotonic() + seconds
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
 
 
 def _before_entry_point() -> str:
