@@ -50,7 +50,12 @@ def costly(cost: int) -> settings:
     """Settings for a property whose examples cost about ``cost`` times a placement
     example's: the loaded profile's example budget buys ``1/cost`` of the examples (at least
     2), so a profile bounds the time of a run rather than its example count. No per-example
-    deadline: World.run enforces its own (the first example of a World builds it)."""
+    deadline: World.run enforces its own (the first example of a World builds it).
+
+    How a suite picks ``cost`` for its costliest properties: so that the property's ci run
+    over world sizes 1-4 takes about 5 s on the 2-core CI machine, but never fewer than 8
+    examples, nor fewer than twice the examples ``mutate`` needed to catch a fault at that
+    spec; the suite states the measured time an example next to its ``costly``."""
     check_int("cost", cost)
     budget = settings.default.max_examples if settings.default else 100
     return settings(deadline=None, max_examples=max(2, budget // cost))

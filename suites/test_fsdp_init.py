@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from harness import World, parity
 from harness.cases.modules import TorchInitCase
 from harness.parity import assert_array_equal, assert_close, assert_equal_values, failure
-from harness.profiles import property_settings
+from harness.profiles import costly, property_settings
 from harness.strategies import (
     container_cases,
     factorisations,
@@ -268,7 +268,7 @@ def test_forward_with_meta_parameters_lists_them(world: World, data: st.DataObje
 
 
 @pytest.mark.spec("fsdp_init.meta.broadcast_state_dict")
-@PROPERTY
+@costly(2)  # 38 ms an example at world size 4
 @given(data=st.data())
 def test_meta_init_from_broadcast_state_dict(world: World, data: st.DataObject) -> None:
     case = data.draw(graph_cases(world.world_size, train=True, ties=False), label="case")
@@ -304,7 +304,7 @@ def test_torch_reset_parameters_on_sharded_params(world: World, data: st.DataObj
 
 
 @pytest.mark.spec("fsdp_init.meta.torch_init_adam")
-@PROPERTY
+@costly(4)  # 66 ms an example at world size 4
 @given(data=st.data())
 def test_adam_after_torch_init_matches_one_device(world: World, data: st.DataObject) -> None:
     case = data.draw(torch_init_cases(world.world_size), label="case")
@@ -312,7 +312,7 @@ def test_adam_after_torch_init_matches_one_device(world: World, data: st.DataObj
 
 
 @pytest.mark.spec("fsdp_init.mesh.default")
-@PROPERTY
+@costly(3)  # 61 ms an example at world size 4
 @given(data=st.data())
 def test_fully_shard_without_a_mesh(world: World, data: st.DataObject) -> None:
     host = devices.accelerator_type()
@@ -346,7 +346,7 @@ def test_mesh_of_wrong_rank_or_without_names_is_refused(world: World, data: st.D
 
 
 @pytest.mark.spec("fsdp_init.tp.placements")
-@PROPERTY
+@costly(3)  # 61 ms an example at world size 4
 @given(data=st.data())
 def test_fsdp_over_tp_placements_mean_nested_shards(world: World, data: st.DataObject) -> None:
     case = data.draw(mesh_mlp_cases(world.world_size, kind="tp", meta=True), label="case")

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from harness import World, parity
 from harness.cases.hsdp import GroupErrorCase, HSDPCase, SyncCase
 from harness.parity import assert_array_equal, assert_equal_values
-from harness.profiles import property_settings
+from harness.profiles import costly, property_settings
 from harness.strategies import group_error_cases, hsdp_cases, save_load_cases, sync_cases
 from harness.torchkit import devices
 from harness.torchkit.collectives import CountKey
@@ -58,14 +58,14 @@ def _check_parity(world: World, case: HSDPCase) -> None:
 
 
 @pytest.mark.spec("hsdp.fsdp1.parity")
-@PROPERTY
+@costly(4)  # 73 ms an example at world size 4
 @given(data=st.data())
 def test_fsdp1_hybrid_trains_like_full_shard(world: World, data: st.DataObject) -> None:
     _check_parity(world, _draw(world, data, "fsdp1"))
 
 
 @pytest.mark.spec("hsdp.fully_shard.parity")
-@PROPERTY
+@costly(8)  # 160 ms an example at world size 4
 @given(data=st.data())
 def test_fully_shard_hybrid_trains_like_full_shard(world: World, data: st.DataObject) -> None:
     _check_parity(world, _draw(world, data, "fully_shard"))
@@ -340,7 +340,7 @@ def test_fsdp1_hybrid_sharded_save_load_trains_on(world: World, data: st.DataObj
 
 
 @pytest.mark.spec("hsdp.fully_shard.save_load")
-@PROPERTY
+@costly(11)  # 202 ms an example at world size 4
 @given(data=st.data())
 def test_fully_shard_hybrid_save_load_trains_on(world: World, data: st.DataObject) -> None:
     case, steps_after = data.draw(

@@ -36,10 +36,6 @@ from suites.checks.training import (
 )
 
 PROPERTY = property_settings()
-# 2-D and 3-D meshes of fully_shard over TP train two wrappers' worth of DTensors: an
-# example costs 0.6 s (fsdp_tp) and 1.4 s (hsdp_tp) at world size 4, against 0.12 s for
-# fsdp; half and a quarter of the profile's examples.
-FSDP_TP, HSDP_TP = costly(2), costly(4)
 
 # The distributed runs sum per-rank gradients of per-rank mean losses and divide by the
 # data-parallel size, where the reference takes one mean over the global batch; TP splits
@@ -80,7 +76,7 @@ def _check(world: World, case: ParityCase) -> None:
 
 
 @pytest.mark.spec("optim.fsdp.parity")
-@PROPERTY
+@costly(4)  # 71 ms an example at world size 4
 @given(data=st.data())
 def test_fully_shard_training_matches_one_device(world: World, data: st.DataObject) -> None:
     _check_layout(world, data, "fsdp")
@@ -155,7 +151,7 @@ def test_mixed_precision_matches_its_one_device_emulation(
 
 
 @pytest.mark.spec("optim.knobs.divide_factor")
-@KNOBS
+@costly(12)  # 304 ms an example at world size 4
 @given(data=st.data())
 def test_gradient_divide_factor_scales_like_one_device(world: World, data: st.DataObject) -> None:
     _check_knob(world, data, "divide_factor")
@@ -181,21 +177,21 @@ def test_divide_factor_on_a_one_rank_shard_group(world: World, data: st.DataObje
 
 
 @pytest.mark.spec("optim.knobs.micro_batching")
-@KNOBS
+@costly(12)  # 376 ms an example at world size 4
 @given(data=st.data())
 def test_micro_batch_controls_train_like_one_device(world: World, data: st.DataObject) -> None:
     _check_knob(world, data, "micro_batching")
 
 
 @pytest.mark.spec("optim.knobs.resharding")
-@KNOBS
+@costly(12)  # 395 ms an example at world size 4
 @given(data=st.data())
 def test_resharding_controls_train_like_one_device(world: World, data: st.DataObject) -> None:
     _check_knob(world, data, "resharding")
 
 
 @pytest.mark.spec("optim.knobs.checkpointing")
-@KNOBS
+@costly(12)  # 455 ms an example at world size 4
 @given(data=st.data())
 def test_activation_checkpointing_trains_like_one_device(world: World, data: st.DataObject) -> None:
     _check_knob(world, data, "checkpoint")
@@ -230,7 +226,7 @@ def test_checkpointing_replays_dropout(world: World, data: st.DataObject) -> Non
 
 
 @pytest.mark.spec("optim.flags.parity")
-@KNOBS
+@costly(7)  # 240 ms an example at world size 4
 @given(data=st.data())
 def test_optimizer_flags_train_like_one_device(world: World, data: st.DataObject) -> None:
     accelerator = world.device != "cpu"
@@ -254,7 +250,7 @@ def test_clip_inf_norm_with_an_empty_shard(world: World, data: st.DataObject) ->
 
 
 @pytest.mark.spec("optim.hsdp.parity")
-@PROPERTY
+@costly(5)  # 117 ms an example at world size 4
 @given(data=st.data())
 def test_hsdp_training_matches_one_device(world: World, data: st.DataObject) -> None:
     _check_layout(world, data, "hsdp")
@@ -262,7 +258,7 @@ def test_hsdp_training_matches_one_device(world: World, data: st.DataObject) -> 
 
 @pytest.mark.spec("optim.fsdp_tp.parity")
 @pytest.mark.world_size(min=2)
-@FSDP_TP
+@costly(9)  # 200 ms an example at world size 4
 @given(data=st.data())
 def test_fsdp_tp_training_matches_one_device(world: World, data: st.DataObject) -> None:
     _check_layout(world, data, "fsdp_tp")
@@ -270,7 +266,7 @@ def test_fsdp_tp_training_matches_one_device(world: World, data: st.DataObject) 
 
 @pytest.mark.spec("optim.hsdp_tp.parity")
 @pytest.mark.world_size(min=2)
-@HSDP_TP
+@costly(12)  # 665 ms an example at world size 4
 @given(data=st.data())
 def test_hsdp_tp_training_matches_one_device(world: World, data: st.DataObject) -> None:
     _check_layout(world, data, "hsdp_tp")
@@ -345,12 +341,10 @@ def test_optimizer_steps_match_the_spec_model(world: World, data: st.DataObject)
 # tolerance of a few ulps leaves room for a decomposition that rounds once more.
 DIFFERENTIABLE_TOLERANCE = {"float64": (1e-13, 1e-15), "float32": (1e-6, 1e-7)}
 DIFFERENTIABLE_WHY = "a decomposed kernel may round once more than the fused one"
-# Autograd through DTensor optimizer steps: about 0.4 s an example at world size 4.
-DIFFERENTIABLE = costly(4)
 
 
 @pytest.mark.spec("optim.step.differentiable")
-@DIFFERENTIABLE
+@costly(12)  # 329 ms an example at world size 4
 @given(data=st.data())
 def test_differentiable_steps_on_dtensors_match_one_device(
     world: World, data: st.DataObject

@@ -71,7 +71,7 @@ def _check_mid_step(world: World, case: MidStepCase) -> None:
 
 
 @pytest.mark.spec("state_dict.resume.mid_step")
-@PROPERTY
+@costly(7)  # 212 ms an example at world size 4
 @given(data=st.data())
 def test_resuming_from_a_state_dict_taken_inside_a_step(world: World, data: st.DataObject) -> None:
     _check_mid_step(world, data.draw(mid_step_cases(world.world_size), label="case"))

@@ -36,10 +36,6 @@ from specs.tp_collectives import transformer_collectives
 from suites.checks import tp
 
 PROPERTY = property_settings()
-# A Transformer example builds, trains and gathers a TP model twice over (one device in
-# float64 and float32, the ranks): about 0.3 s at world size 1 to 1.2 s at 4, a quarter of
-# the profile's examples.
-TRANSFORMER = costly(4)
 HANGS_ITS_PEERS = pytest.mark.runner(
     "processes",
     reason="a rank holding no class issues one all-reduce fewer and its peers wait forever "
@@ -90,7 +86,7 @@ def _check_training(world: World, data: st.DataObject, hidden: str) -> None:
 
 
 @pytest.mark.spec("tp.mlp.training")
-@PROPERTY
+@costly(6)  # 104 ms an example at world size 4
 @given(data=st.data())
 def test_tp_mlp_trains_like_one_device(world: World, data: st.DataObject) -> None:
     _check_training(world, data, "even")
@@ -117,7 +113,7 @@ def test_tp_mlp_with_hidden_size_one_trains_like_one_device(
 
 
 @pytest.mark.spec("tp.mlp.inference")
-@PROPERTY
+@costly(10)  # 166 ms an example at world size 4
 @given(data=st.data())
 def test_tp_mlp_inference_matches_one_device(world: World, data: st.DataObject) -> None:
     case = data.draw(tp_cases(world.world_size), label="case")
@@ -143,7 +139,7 @@ def expected_mlp_collectives(case: TPCase) -> dict[CountKey, int]:
 
 
 @pytest.mark.spec("tp.mlp.collectives")
-@PROPERTY
+@costly(4)  # 74 ms an example at world size 4
 @given(data=st.data())
 def test_tp_mlp_issues_the_expected_collectives(world: World, data: st.DataObject) -> None:
     case = data.draw(tp_cases(world.world_size), label="case")
@@ -157,7 +153,7 @@ def test_tp_mlp_issues_the_expected_collectives(world: World, data: st.DataObjec
 
 
 @pytest.mark.spec("tp.weight_tying")
-@PROPERTY
+@costly(2)  # 49 ms an example at world size 4
 @given(data=st.data())
 def test_tied_weights_stay_one_parameter_with_one_gradient(
     world: World, data: st.DataObject
@@ -299,14 +295,14 @@ def _check_transformer(world: World, case: TransformerCase) -> None:
 
 
 @pytest.mark.spec("tp.transformer.training")
-@TRANSFORMER
+@costly(12)  # 601 ms an example at world size 4
 @given(data=st.data())
 def test_tp_transformer_trains_like_one_device(world: World, data: st.DataObject) -> None:
     _check_transformer(world, data.draw(transformer_cases(world.world_size), label="case"))
 
 
 @pytest.mark.spec("tp.transformer.requires_grad")
-@TRANSFORMER
+@costly(12)  # 336 ms an example at world size 4
 @given(data=st.data())
 def test_tp_transformer_with_frozen_parameters(world: World, data: st.DataObject) -> None:
     case = data.draw(transformer_cases(world.world_size, frozen=True), label="case")
@@ -387,14 +383,14 @@ def _holds_input(case: LossCase, rank: int) -> bool:
 
 
 @pytest.mark.spec("tp.loss_parallel.class_dim")
-@PROPERTY
+@costly(2)  # 29 ms an example at world size 4
 @given(data=st.data())
 def test_loss_parallel_matches_cross_entropy(world: World, data: st.DataObject) -> None:
     _check_loss(world, data.draw(loss_cases(world.world_size, mesh_ndim=1), label="case"))
 
 
 @pytest.mark.spec("tp.loss_parallel.multi_dim")
-@PROPERTY
+@costly(2)  # 51 ms an example at world size 4
 @given(data=st.data())
 def test_loss_parallel_on_a_2d_mesh_matches_cross_entropy(
     world: World, data: st.DataObject

@@ -16,7 +16,7 @@ from harness import World, parity
 from harness.cases.training import OptimConfig, OverlapCase, ParityCase, PartitionCase
 from harness.cases.zero import FrozenGroupsCase
 from harness.parity import assert_close, assert_equal_values, failure
-from harness.profiles import property_settings
+from harness.profiles import costly, property_settings
 from harness.strategies import (
     fitting_overlap_cases,
     frozen_groups_cases,
@@ -254,7 +254,7 @@ def test_zero_on_a_subgroup_trains_its_members(world: World, data: st.DataObject
 
 
 @pytest.mark.spec("zero.ddp.local_optimizer_parity")
-@PROPERTY
+@costly(2)  # 41 ms an example at world size 4
 @given(data=st.data())
 def test_ddp_zero_matches_ddp_local_optimizer(world: World, data: st.DataObject) -> None:
     case = data.draw(parity_cases(world.world_size, layout="zero"), label="case")
