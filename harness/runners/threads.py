@@ -91,7 +91,10 @@ class _Generation:
         self.inboxes: list[queue.SimpleQueue[Any]] = [
             queue.SimpleQueue() for _ in range(world_size)
         ]
-        self.cond = threading.Condition()
+        self.lock = threading.Lock()
+        # The last rank to report a call puts its id here: the driver wakes once per call,
+        # in C, instead of through a Condition's Python-level waiter locks.
+        self.done: queue.SimpleQueue[int] = queue.SimpleQueue()
         self.reports: dict[int, RankOutcome] = {}
         self.call_id = 0
         self.stuck: set[int] = set()
@@ -135,7 +138,7 @@ class _Generation:
         return all(o.status == "ok" for o in outcomes)
 
     def submit(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-        with self.cond:
+        with self.lock:
             self.call_id += 1
             self.reports = {}
         for inbox in self.inboxes:
@@ -147,11 +150,8 @@ class _Generation:
         Ranks unreported at the deadline are classified from where they are: waiting in a
         collective, or stuck elsewhere (``timeout``), each with its Python stack.
         """
-        with self.cond:
-            self.cond.wait_for(
-                lambda: len(self.reports) == self.world_size,
-                timeout=max(0.0, deadline - time.monotonic()),
-            )
+        self._await_reports(deadline)
+        with self.lock:
             reported = dict(self.reports)
         missing = [r for r in range(self.world_size) if r not in reported]
         for rank in missing:
@@ -193,12 +193,22 @@ class _Generation:
             return RankOutcome(rank, "waiting", summary=f"waiting in {where}", traceback=stack)
         return RankOutcome(rank, "timeout", summary="still running", traceback=stack)
 
+    def _await_reports(self, deadline: float) -> None:
+        """Until every rank reported the current call, or the deadline; a token a late
+        rank left for an earlier call is passed over."""
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                if self.done.get(timeout=left) == self.call_id:
+                    return
+            except queue.Empty:
+                return
+
     def _report(self, call_id: int, outcome: RankOutcome) -> None:
-        with self.cond:
+        with self.lock:
             if call_id == self.call_id:
                 self.reports[outcome.rank] = outcome
-                if len(self.reports) == self.world_size:  # wake the driver once, not per rank
-                    self.cond.notify_all()
+                if len(self.reports) == self.world_size:
+                    self.done.put(call_id)
 
     def _rank_main(self, rank: int) -> None:
         _threaded_pg.bind_domain(self.domain)
