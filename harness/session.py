@@ -74,6 +74,8 @@ def pytest_arguments(
     arguments += [f"{option}={value}" for option, value in config.torchrun_options.items()]
     if config.workers > 1 and not _names_workers(extra):
         arguments += ["-n", str(config.workers)]
+    # Only xdist's controller reads it: inert in a run of one process.
+    arguments.append("--distconf-schedule=worlds")
     return [*arguments, *extra]
 
 

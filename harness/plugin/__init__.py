@@ -11,10 +11,12 @@ under the suites directory nor ask for the ``world`` fixture.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from harness.config import RunConfig
-from harness.plugin import collection, dsession, gpus, options
+from harness.plugin import collection, dsession, gpus, options, scheduling
 from harness.plugin.dsession import DistconfSession
 from harness.runners import World, Worlds
 
@@ -58,6 +60,14 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(
             collection.CheapFirst(run.cheap_first), "distconf-cheap-first"
         )
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> Any:
+    """``--distconf-schedule=worlds`` in place of xdist's default ``load``."""
+    if config.getoption("distconf_schedule") == "worlds" and config.getvalue("dist") == "load":
+        return scheduling.make_scheduler(config, log)
+    return None
 
 
 def _inject_faults(config: pytest.Config, run: RunConfig) -> None:

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import settings
 
 from harness.config import RunConfig
-from harness.plugin import collection, deviations, gpus, options, recording, state
+from harness.plugin import collection, deviations, gpus, options, recording, scheduling, state
 from harness.plugin.worlds import SessionWorlds
 from harness.results import ResultsWriter
 
@@ -65,6 +65,8 @@ class DistconfSession:
         self, config: pytest.Config, items: list[pytest.Item]
     ) -> None:
         collection.check_and_mark(config, items, backend=self.backend)
+        if config.getoption("distconf_schedule") == "worlds":
+            scheduling.largest_worlds_first(items)
 
     @pytest.hookimpl(trylast=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:

@@ -138,6 +138,14 @@ def _add_mutation_options(group: pytest.OptionGroup) -> None:
         "world size, run the tests it timed fastest first (tests it did not time keep their "
         "place after them); with --exitfirst a failing run fails sooner",
     )
+    group.addoption(
+        "--distconf-schedule",
+        dest="distconf_schedule",
+        choices=("worlds",),
+        default=None,
+        help="with xdist's default distribution: hand each World's tests (or a share of "
+        "them) to one worker, largest World first (harness run asks for it)",
+    )
 
 
 _SPELLED = {

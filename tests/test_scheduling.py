@@ -1,0 +1,55 @@
+"""``--distconf-schedule=worlds``: each World's tests on one worker, largest World first."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from harness import session
+from harness.config import RunConfig
+from harness.plugin.scheduling import world_of
+
+
+@pytest.mark.parametrize(
+    ("nodeid", "expected"),
+    [
+        ("suites/test_uneven.py::test_x[threads-ws4-cpu]", ("threads-ws4-cpu", 4)),
+        ("suites/test_a.py::test_y[processes-ws12-cuda]", ("processes-ws12-cuda", 12)),
+        ("suites/test_a.py::test_y[3-local-ws64-cpu]", ("local-ws64-cpu", 64)),
+        ("tests/test_config.py::test_defaults", None),
+        ("tests/test_config.py::test_param[ws4]", None),
+    ],
+)
+def test_world_of_reads_the_world_parameter(nodeid: str, expected: object) -> None:
+    assert world_of(nodeid) == expected
+
+
+def _worlds_per_worker(out: Path) -> dict[str, set[str]]:
+    worlds: dict[str, set[str]] = defaultdict(set)
+    for path in out.glob("results.gw*.jsonl"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            world = world_of(record.get("nodeid", ""))
+            if record.get("kind") == "start" and world is not None:
+                worlds[world[0]].add(path.name)
+    return worlds
+
+
+def test_each_world_runs_on_one_worker(tmp_path: Path) -> None:
+    config = RunConfig(
+        suites=("uneven",),
+        world_sizes=(1, 2, 3, 4),
+        profile="dev",
+        seed=1,
+        workers=2,
+        out=tmp_path,
+    )
+    assert "--distconf-schedule=worlds" in session.pytest_arguments(config)
+    assert session.run(config) == 0
+    worlds = _worlds_per_worker(tmp_path)
+    assert sorted(worlds) == [f"threads-ws{n}-cpu" for n in (1, 2, 3, 4)]
+    split = {world: files for world, files in worlds.items() if len(files) != 1}
+    assert not split, f"got Worlds served by several workers {split}, should be one each"
