@@ -23,7 +23,7 @@ nox.options.reuse_existing_virtualenvs = True
 def tests(session: nox.Session) -> None:
     """The harness's own tests."""
     session.install(TORCH, "-e", ".[dev]")
-    session.run("python", "-m", "pytest", *session.posargs)
+    session.run("python", "-m", "pytest", *(session.posargs or ["-n", "auto"]))
 
 
 @nox.session
