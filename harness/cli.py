@@ -330,10 +330,11 @@ def _add_bench(commands: Any) -> None:
     )
     bench.add_argument(
         "--runner",
-        choices=RUNNERS[:2],
+        choices=tuple(runner for runner in RUNNERS if runner != "torchrun"),
         default=None,
-        help=f"properties (default {DEFAULTS.runner}) and soak (default: both); overhead "
-        "times every runner, torchrun's at world size 4",
+        help="properties (default: threads and local side by side) and soak (default: threads "
+        "and processes; local has no soak); overhead times every runner, torchrun's at world "
+        "size 4",
     )
     bench.add_argument("--world-size", type=int, default=4, help="for properties and soak")
     bench.add_argument("--examples", type=int, default=300, help="examples per property")

@@ -117,6 +117,19 @@ class RunConfig:
         for path in self.cheap_first:
             require(path.exists(), "cheap_first", str(path), "a results file or a directory")
         self._check_torchrun()
+        self._check_local()
+
+    def _check_local(self) -> None:
+        if self.runner != "local":
+            return
+        require(
+            not self.faults and not self.fault_files,
+            "faults" if self.faults else "fault_files",
+            self.faults or self.fault_files,
+            "empty with --runner local: its LocalTensorMode replaces DeviceMesh's rank and "
+            "coordinate methods and every collective during a check, so faults patched there "
+            "would not apply (inject them on the threads or processes runners)",
+        )
 
     def _check_torchrun(self) -> None:
         if self.runner != "torchrun":

@@ -38,6 +38,14 @@ from suites.checks.dtensor import (
 )
 
 PROPERTY = property_settings()
+# The local runner simulates every rank in one thread (LocalTensorMode): fully_shard's
+# hooks and each rank's own batch need ranks of their own.
+FSDP_RANKS = pytest.mark.runner(
+    "threads",
+    "processes",
+    reason="the local runner cannot serve fully_shard: its forward/backward hooks and each "
+    "rank's own batch (ctx.rank) need a thread or process per rank",
+)
 
 # Sharded training sums the per-rank gradients of per-rank mean losses and divides by the
 # world size; the reference takes one mean over the global batch. Same terms, different
@@ -191,6 +199,7 @@ def _assert_like_one_device(
 
 
 @pytest.mark.spec("uneven.fully_shard.params")
+@FSDP_RANKS
 @PROPERTY
 @given(data=st.data())
 def test_fully_shard_params_are_torch_chunk_pieces(world: World, data: st.DataObject) -> None:
@@ -212,6 +221,7 @@ def test_fully_shard_params_are_torch_chunk_pieces(world: World, data: st.DataOb
 
 
 @pytest.mark.spec("uneven.fully_shard.grads")
+@FSDP_RANKS
 @PROPERTY
 @given(data=st.data())
 def test_fully_shard_grads_match_one_device(world: World, data: st.DataObject) -> None:
@@ -227,6 +237,7 @@ def test_fully_shard_grads_match_one_device(world: World, data: st.DataObject) -
 
 
 @pytest.mark.spec("uneven.fully_shard.step_parity")
+@FSDP_RANKS
 @PROPERTY
 @given(data=st.data())
 def test_fully_shard_sgd_step_matches_one_device(world: World, data: st.DataObject) -> None:

@@ -25,7 +25,7 @@ def test_the_defaults_are_a_valid_run_of_every_suite():
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("runner", "mpi", "runner='mpi' must be one of ('threads', 'processes', 'torchrun')"),
+        ("runner", "mpi", "runner='mpi' must be one of ('threads', 'processes', 'torchrun', 'l"),
         ("world_sizes", (2, 2), "world_sizes=(2, 2) must be a non-empty tuple of distinct"),
         ("world_sizes", (), "world_sizes=() must be a non-empty tuple"),
         ("device", "cuda:0", "device='cuda:0' must be a device type: cpu, cuda, xpu"),

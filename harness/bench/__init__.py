@@ -1,10 +1,11 @@
 """Benchmarks that print figures (never timed assertions): ``python -m harness bench``.
 
-``properties``: examples per second of the placement properties (``properties.py``).
+``properties``: examples per second of the placement properties, on the thread and local
+runners side by side unless ``--runner`` names one (``properties.py``).
 ``overhead``: milliseconds per ``world.run`` for the thread and process runners at world
-sizes 2 and 4, on a trivial and on a placement body, against spawning ranks per check, and the
-torchrun runner's at world size 4 (two local "nodes") against the process runner's
-(``overhead.py``).
+sizes 2 and 4, on a trivial and on a placement body, against spawning ranks per check; the
+torchrun runner's at world size 4 (two local "nodes") against the process runner's; and the
+local runner's against the thread runner's at world sizes 4, 8, 16 and 64 (``overhead.py``).
 ``soak``: a World per runner takes thousands of calls, every tenth failing; calls lost or
 misattributed, memory growth and slowdown (``soak.py``; not part of ``all``).
 
@@ -20,21 +21,37 @@ from typing import Any
 from harness.errors import check_int
 
 
-def run_properties(world_size: int, examples: int, runner: str) -> dict[str, Any]:
+def run_properties(world_size: int, examples: int, runners: tuple[str, ...]) -> dict[str, Any]:
+    """Each property's examples per second on each of ``runners``, side by side."""
     from harness.bench import properties
 
-    rows = properties.bench_properties(world_size, examples, runner)
-    print(f"\nproperties: runner={runner}, world size {world_size}")
-    print(f"{'property':<14}{'examples':>10}{'seconds':>10}{'examples/s':>12}")
-    for row in rows:
-        print(
-            f"{row['property']:<14}{row['examples']:>10}{row['seconds']:>10.2f}"
-            f"{row['examples_per_second']:>12.1f}"
+    by_runner = {r: properties.bench_properties(world_size, examples, r) for r in runners}
+    ratio = len(runners) == 2
+    print(f"\nproperties: world size {world_size}, examples per second")
+    head = "".join(f"{runner:>13}" for runner in runners)
+    print(f"{'property':<14}{head}" + (f"{runners[1] + '/' + runners[0]:>17}" if ratio else ""))
+    notes = []
+    for index, name in enumerate(properties.PROPERTIES):
+        rows = [by_runner[runner][index] for runner in runners]
+        cells = "".join(
+            f"{row['examples_per_second']:>12.1f}{'*' if row['known'] else ' '}" for row in rows
         )
-    examples_run = sum(r["examples"] for r in rows)
-    seconds = sum(r["seconds"] for r in rows)
-    print(f"{'both':<14}{examples_run:>10}{seconds:>10.2f}{examples_run / seconds:>12.1f}")
-    return {"runner": runner, "world_size": world_size, "rows": rows}
+        versus = rows[1]["examples_per_second"] / rows[0]["examples_per_second"] if ratio else 0
+        print(f"{name:<14}{cells}" + (f"{versus:>16.2f}x" if ratio else ""))
+        notes += [
+            f"{runner} {name}: met {row['known']} at example {row['examples_to_failure']}; "
+            f"the figure counts all {row['examples']} examples run, shrinking included"
+            for runner, row in zip(runners, rows, strict=True)
+            if row["known"]
+        ]
+    totals = [
+        sum(r["examples"] for r in by_runner[runner]) / sum(r["seconds"] for r in by_runner[runner])
+        for runner in runners
+    ]
+    print(f"{'all':<14}" + "".join(f"{total:>12.1f} " for total in totals))
+    for note in notes:
+        print(f"  * {note}")
+    return {"world_size": world_size, "runners": by_runner}
 
 
 def run_overhead(world_sizes: list[int], calls: int, trials: int) -> list[dict[str, Any]]:
@@ -62,6 +79,7 @@ def run_overhead(world_sizes: list[int], calls: int, trials: int) -> list[dict[s
                     f"{spawn_ms:>11.0f}{row['ratio']:>9.0f}x"
                 )
     rows += _torchrun_rows(rows, calls)
+    rows += _local_rows(calls)
     return rows
 
 
@@ -87,6 +105,45 @@ def _torchrun_rows(rows: list[dict[str, Any]], calls: int) -> list[dict[str, Any
         shown = f"{against:>11.3f}{call_ms / against:>9.2f}x" if against else f"{'-':>11}"
         print(f"{'torchrun':<11}{4:>3}{body:>11}{call_ms:>10.3f}{shown}")
     return torchrun_rows
+
+
+PROPERTY_RUNNERS = ("threads", "local")
+"""The runners ``properties`` compares when none is named."""
+
+LOCAL_WORLD_SIZES = (4, 8, 16, 64)
+"""Where ``overhead`` times the local runner against the thread runner; beyond world size 4
+with a fifth of the calls (a 64-rank placement call takes about a tenth of a second)."""
+
+
+def _local_rows(calls: int) -> list[dict[str, Any]]:
+    """The local runner's ms per ``world.run`` next to the thread runner's, on the cases
+    both serve (the local runner lacks some mesh constructions and source ranks)."""
+    from harness.bench import overhead
+    from harness.runners.local import LocalWorld
+
+    print("\nlocal (one thread simulates every rank) against threads, cases both serve")
+    print(f"{'runner':<11}{'ws':>3}{'body':>11}{'ms/call':>10}{'threads':>11}{'ratio':>10}")
+    local_rows = []
+    for world_size in LOCAL_WORLD_SIZES:
+        count = calls if world_size <= 4 else max(10, calls // 5)
+        for body in ("trivial", "placement"):
+            times = {
+                runner: overhead.time_calls(runner, world_size, body, count, lacks=LocalWorld.lacks)
+                for runner in ("threads", "local")
+            }
+            row = {
+                "runner": "local",
+                "world_size": world_size,
+                "body": body,
+                "ms_per_call": times["local"],
+                "threads_ms_per_call": times["threads"],
+            }
+            local_rows.append(row)
+            print(
+                f"{'local':<11}{world_size:>3}{body:>11}{times['local']:>10.3f}"
+                f"{times['threads']:>11.3f}{times['local'] / times['threads']:>9.2f}x"
+            )
+    return local_rows
 
 
 SOAK_CALLS, OVERHEAD_CALLS = 2000, 300
@@ -115,7 +172,8 @@ def main(
         check_int(name, value)
     report: dict[str, Any] = {}
     if what in ("properties", "all"):
-        report["properties"] = run_properties(world_size, examples, runner or "threads")
+        runners = (runner,) if runner else PROPERTY_RUNNERS
+        report["properties"] = run_properties(world_size, examples, runners)
     if what in ("overhead", "all"):
         report["overhead"] = run_overhead([2, 4], calls, trials)
     if as_json:

@@ -31,7 +31,7 @@ def placement(ctx: RankContext, case: DistributeCase) -> None:
     """The rank side of the distribute property (suites/test_placements.py) for one case:
     what ``suites.checks.dtensor.distribute_on_rank`` does, written here because nothing
     under ``harness`` imports ``suites``."""
-    view_of(distribute(ctx, case), ctx.rank)
+    view_of(distribute(ctx, case), ctx)
 
 
 def sample_cases(world_size: int, count: int) -> list[DistributeCase]:
@@ -47,11 +47,15 @@ def sample_cases(world_size: int, count: int) -> list[DistributeCase]:
     return cases[:count]
 
 
-def time_calls(runner: str, world_size: int, body: str, calls: int) -> float:
-    """Mean milliseconds per ``world.run`` on a warm World."""
+def time_calls(
+    runner: str, world_size: int, body: str, calls: int, *, lacks: frozenset[str] = frozenset()
+) -> float:
+    """Mean milliseconds per ``world.run`` on a warm World, on the cases a World lacking
+    ``lacks`` serves (the same cases on every runner compared)."""
     from harness import open_world
 
     fn, argument_lists = _body(body, world_size)
+    argument_lists = [args for args in argument_lists if all(_serves(a, lacks) for a in args)]
     torchrun = None
     if runner == "torchrun":  # two local "nodes", torchrun started here
         from harness.runners.torchrun import TorchrunOptions
@@ -107,6 +111,16 @@ def _spawned_rank(
     fn(RankContext(rank, world_size, torch.device("cpu"), "spawn-per-check"), *args)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _serves(case: object, lacks: frozenset[str]) -> bool:
+    """Whether a World lacking ``lacks`` can take ``case`` (``World.lacks``: a mesh from
+    ``DeviceMesh.from_group``, a source rank other than 0)."""
+    if not isinstance(case, DistributeCase):
+        return True
+    if "mesh.from_group" in lacks and case.mesh.how == "from_group":
+        return False
+    return "scatter.group_src" not in lacks or case.src_data_rank in (0, None)
 
 
 def _body(name: str, world_size: int) -> tuple[Callable[..., Any], list[tuple[Any, ...]]]:

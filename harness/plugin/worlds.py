@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from harness.config import RunConfig
-from harness.plugin import gpus
-from harness.runners import World, WorldCache, WorldKey, Worlds
+from harness.plugin import gpus, options
+from harness.runners import SERVES, World, WorldCache, WorldKey, Worlds
 from harness.runners.base import answers_to
 
 FIXTURE_MODULE = "harness.plugin"
@@ -44,6 +44,23 @@ def _runner_skip(marker: pytest.Mark | None, runner: str) -> str | None:
         return None
     why = marker.kwargs.get("reason", "")
     return f"needs the {' or '.join(marker.args)} runner{': ' + why if why else ''}"
+
+
+def _suite_skip(metafunc: pytest.Metafunc, runner: str) -> str | None:
+    """Why this runner cannot serve the test's suite (``runners.SERVES``): the local runner
+    simulates every rank in one thread, which serves DTensor-level checks only. A test
+    outside the suites directory is its project's to mark."""
+    served = SERVES.get(runner)
+    path = metafunc.definition.path.resolve()
+    suite = path.stem.removeprefix("test_")
+    in_suites = path.is_relative_to(options.suites_dir(metafunc.config))
+    if served is None or suite in served or not in_suites:
+        return None
+    return (
+        f"the {runner} runner serves the {', '.join(sorted(served))} suites only: it simulates "
+        f"every rank in one thread (torch's LocalTensorMode), and the {suite} suite needs "
+        "real per-rank process groups (FSDP hooks, DCP, state dicts, optimizers)"
+    )
 
 
 def _uses_our_world(metafunc: pytest.Metafunc) -> bool:
@@ -86,7 +103,9 @@ class SessionWorlds:
         run, definition = self.run, metafunc.definition
         sizes_marker = definition.get_closest_marker("world_size")
         sizes = _sizes_for(sizes_marker, run.world_sizes)
-        skip = _runner_skip(definition.get_closest_marker("runner"), run.runner)
+        skip = _suite_skip(metafunc, run.runner) or _runner_skip(
+            definition.get_closest_marker("runner"), run.runner
+        )
         if not sizes:
             assert sizes_marker is not None
             skip = skip or (

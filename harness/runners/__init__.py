@@ -19,8 +19,11 @@ from harness.runners.capacity import check_capacity
 if TYPE_CHECKING:
     from harness.runners.torchrun import TorchrunOptions
 
-RUNNERS = ("threads", "processes", "torchrun")
+RUNNERS = ("threads", "processes", "torchrun", "local")
 """The runners; the first is the default."""
+
+SERVES: dict[str, frozenset[str]] = {"local": frozenset({"placements", "uneven"})}
+"""The suites a runner serves, for the runners that serve only some (the others skip)."""
 
 
 class WorldKey(NamedTuple):
@@ -41,6 +44,7 @@ __all__ = [
     "DEFAULT_DEVICE",
     "DEFAULT_TIMEOUT",
     "RUNNERS",
+    "SERVES",
     "AllRanksSkipped",
     "RankFailure",
     "RankOutcome",
@@ -71,7 +75,8 @@ def make_world(
     ``strict_collectives`` makes the process runner check that every rank issues the same
     collective (``TORCH_DISTRIBUTED_DEBUG=DETAIL``); the thread runner always checks.
     ``backend`` is the process runner's process-group backend (default: the device's, gloo
-    on CPU); the thread runner's ranks always use torch's threaded group. ``backend_plugins``
+    on CPU); the thread runner's ranks always use torch's threaded group, the local runner's
+    simulation torch's fake group. ``backend_plugins``
     are modules imported here and in every rank before a group is made (they may register a
     backend or a device). ``torchrun``: where the torchrun runner listens and what it starts
     (its World's size is fixed by it).
@@ -118,6 +123,10 @@ def make_world(
             backend=chosen,
             backend_plugins=backend_plugins,
         )
+    if runner == "local":
+        from harness.runners.local import LocalWorld
+
+        return LocalWorld(world_size, device, timeout=timeout)
     from harness.runners.threads import ThreadWorld
 
     return ThreadWorld(world_size, device, timeout=timeout)

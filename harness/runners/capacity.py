@@ -10,6 +10,9 @@ test could say so).
 - ``processes``: every rank is a process with its own torch: on CPU at most
   ``PROCESSES_PER_CORE`` per usable core and one per ``MEMORY_PER_RANK`` of available
   memory; on an accelerator one device per rank, the devices visible.
+- ``local``: one thread simulates every rank (torch's ``LocalTensorMode``), so every op runs
+  once per rank in turn and one process holds every rank's tensors: ``LOCAL_WORLD_LIMIT``
+  ranks, on CPU, on torch's fake process group, within ``LOCAL_MEMORY_SHARE``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,22 @@ MEMORY_PER_RANK = 512 * 2**20
 THREADED_BACKEND = "threaded"
 """What the thread runner's ranks always use: torch's threaded process group."""
 
+LOCAL_BACKEND = "fake"
+"""What the local runner's simulation always uses: torch's fake process group (rank 0 of
+the World's size; LocalTensorMode computes every collective from the ranks' tensors)."""
+LOCAL_WORLD_LIMIT = 256
+"""The local runner's largest World: every op of a check runs once per simulated rank, and
+every rank's tensors live in the one process. Measured on the 2-core CI machine: the
+placements and uneven suites' dev examples take under 2 minutes at world sizes 8, 16 and
+64 together, and several minutes at 256, where some drawn tensors (sides around twice the
+world size) grow past the memory budget below."""
+LOCAL_MEMORY_SHARE = 0.25
+"""A simulation may grow the process by this share of the memory available when it starts
+(a call that grows it further fails, naming the budget, instead of the host running out):
+it holds every rank's tensors, and rank threads or processes would hold them too, spread
+over a World's worth of ranks."""
+LOCAL_DEVICES = ("cpu",)
+
 
 def resolve_backend(runner: str, device: str, backend: str | None) -> str:
     """The process-group backend a World of ``runner`` on ``device`` uses: the thread
@@ -38,6 +57,12 @@ def resolve_backend(runner: str, device: str, backend: str | None) -> str:
         if backend not in (None, THREADED_BACKEND):
             raise invalid("backend", backend, _THREADS_BACKEND)
         return THREADED_BACKEND
+    if runner == "local":
+        if device not in LOCAL_DEVICES:
+            raise invalid("device", device, _LOCAL_DEVICE)
+        if backend not in (None, LOCAL_BACKEND):
+            raise invalid("backend", backend, _LOCAL_BACKEND_WHY)
+        return LOCAL_BACKEND
     from harness.torchkit import devices
 
     if backend is None:
@@ -49,6 +74,14 @@ def resolve_backend(runner: str, device: str, backend: str | None) -> str:
 _THREADS_BACKEND = (
     "unset on the thread runner: its ranks always use torch's threaded process group "
     "(--runner processes runs a backend)"
+)
+_LOCAL_BACKEND_WHY = (
+    "unset on the local runner: one thread simulates every rank on torch's fake process "
+    "group, and no collective reaches a backend (--runner processes runs a backend)"
+)
+_LOCAL_DEVICE = (
+    "'cpu' on the local runner: its simulation of every rank in one thread is checked on "
+    "CPU only (--runner threads or processes runs on an accelerator)"
 )
 
 
@@ -62,6 +95,8 @@ def largest_world(runner: str, device: str) -> tuple[int, str]:
         return limit, why
     if runner == "torchrun":
         return 2**31, "ranks on the nodes torchrun starts (the driver cannot count them)"
+    if runner == "local":
+        return LOCAL_WORLD_LIMIT, "one thread runs every op once per rank (LOCAL_WORLD_LIMIT)"
     if device != "cpu":
         from harness.torchkit import devices
 
@@ -69,7 +104,7 @@ def largest_world(runner: str, device: str) -> tuple[int, str]:
         return count, f"one {device} device per rank process, and {count} are visible"
     cores = len(os.sched_getaffinity(0))
     by_cores = PROCESSES_PER_CORE * cores
-    by_memory = _available_memory() // MEMORY_PER_RANK
+    by_memory = available_memory() // MEMORY_PER_RANK
     if by_memory < by_cores:
         return by_memory, f"one rank process per {MEMORY_PER_RANK >> 20} MB of available memory"
     return by_cores, f"{PROCESSES_PER_CORE} rank processes per usable core ({cores} cores)"
@@ -90,6 +125,8 @@ def check_capacity(
     from harness.torchkit import devices
 
     devices.check_plugins(backend_plugins)
+    if runner == "local":  # before the device check: one this runner refuses may be absent
+        resolve_backend(runner, device, backend)
     if runner != "torchrun":  # torchrun's ranks use the devices of its nodes, not this one's
         devices.check_device(device)
     chosen = resolve_backend(runner, device, backend)
@@ -104,7 +141,8 @@ def check_capacity(
     return chosen
 
 
-def _available_memory() -> int:
+def available_memory() -> int:
+    """Bytes of memory available to new allocations on this host (``MemAvailable``)."""
     try:
         with open("/proc/meminfo", encoding="ascii") as meminfo:
             for line in meminfo:

@@ -37,6 +37,7 @@ from torch._C._distributed_c10d import HashStore
 
 from harness.errors import DistconfError, WorldStartError
 from harness.runners import _threaded_pg
+from harness.runners._hooks import ProcessHooks, hooks_lock
 from harness.runners.base import (
     DEFAULT_TIMEOUT,
     RankOutcome,
@@ -57,30 +58,6 @@ _HEALTH_TIMEOUT = 10.0
 _STUCK_LIMIT = 64
 _ABANDONED_GRACE = 1.0
 """Seconds the last thread World to close waits for abandoned ranks still unwinding."""
-# Hooks torch may replace process-wide from a rank thread; a generation restores them.
-_PROCESS_HOOKS = ((sys, "excepthook"), (threading, "excepthook"), (sys, "unraisablehook"))
-# Held while a generation's ranks initialise, so that no other World's generation takes the
-# hooks they wrap for the ones it found.
-_hooks_lock = threading.Lock()
-
-
-class _ProcessHooks:
-    """The process-wide hooks as found, and putting back those torch replaced since."""
-
-    def __init__(self) -> None:
-        self.found = [getattr(owner, name) for owner, name in _PROCESS_HOOKS]
-
-    def restore(self) -> None:
-        for (owner, name), found in zip(_PROCESS_HOOKS, self.found, strict=True):
-            current = getattr(owner, name)
-            # A hook someone other than torch set meanwhile is theirs to keep.
-            if current is not found and _set_by_torch(current):
-                setattr(owner, name, found)
-
-
-def _set_by_torch(hook: object) -> bool:
-    module = getattr(hook, "__module__", None) or ""
-    return module == "torch" or module.startswith("torch.")
 
 
 class _Generation:
@@ -98,7 +75,7 @@ class _Generation:
         self.reports: dict[int, RankOutcome] = {}
         self.call_id = 0
         self.stuck: set[int] = set()
-        self.hooks = _ProcessHooks()
+        self.hooks = ProcessHooks()
         self.threads = [
             threading.Thread(
                 target=self._rank_main,
@@ -110,8 +87,8 @@ class _Generation:
         ]
 
     def start(self) -> None:
-        with _hooks_lock:
-            self.hooks = _ProcessHooks()
+        with hooks_lock:
+            self.hooks = ProcessHooks()
             try:
                 for thread in self.threads:
                     thread.start()
@@ -178,7 +155,7 @@ class _Generation:
             if rank not in self.stuck:
                 thread.join(max(0.0, deadline - time.monotonic()))
         _abandoned.extend(self.threads[rank] for rank in self.stuck)
-        with _hooks_lock:  # a rank that was late to initialise wrapped them after start
+        with hooks_lock:  # a rank that was late to initialise wrapped them after start
             self.hooks.restore()
 
     def kill(self) -> None:

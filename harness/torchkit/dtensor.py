@@ -15,6 +15,7 @@ from torch.distributed.tensor.placement_types import Placement as TorchPlacement
 
 from harness.cases.placements import DistributeCase
 from harness.errors import check_one_of
+from harness.torchkit import local
 from harness.torchkit.context import RankContext
 from specs.placements import Coord, Partial, Placement, Replicate, Shard
 
@@ -74,7 +75,12 @@ def tensor_from(array: np.ndarray, dtype: str, device: torch.device) -> torch.Te
 
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    """A host copy; bfloat16 widens to float32, which represents every bfloat16 exactly."""
+    """A host copy; bfloat16 widens to float32, which represents every bfloat16 exactly.
+    A simulated tensor gives each rank's copy (``local.per_shard``)."""
+    return local.per_shard(tensor, _host_copy)
+
+
+def _host_copy(tensor: torch.Tensor) -> np.ndarray:
     host = tensor.detach().cpu()
     if host.dtype == torch.bfloat16:
         host = host.float()
@@ -111,17 +117,24 @@ class DTensorView:
     """The local tensor's own strides (its values are in ``local``)."""
 
 
-def view_of(tensor: torch.Tensor | None, rank: int, *, with_full: bool = True) -> DTensorView:
-    """Snapshot ``tensor`` on this rank; ``with_full`` gathers ``full_tensor()`` (a collective).
+def view_of(
+    tensor: torch.Tensor | None, who: int | RankContext, *, with_full: bool = True
+) -> DTensorView:
+    """Snapshot ``tensor`` on this rank (``who``: the rank, or its context); ``with_full``
+    gathers ``full_tensor()`` (a collective: every rank must call it).
 
     Anything but a DTensor fails the check: a parameter or gradient that should be sharded
-    and is not is a conformance failure, not a harness error.
+    and is not is a conformance failure, not a harness error. Given the context of a check
+    that simulates every rank, the view holds every rank's values, split per rank by the
+    runner (``harness.torchkit.local``).
     """
+    rank = who if isinstance(who, int) else local.rank_of(who)
     if not isinstance(tensor, DTensor):
-        raise AssertionError(f"rank {rank}: got {type(tensor).__name__}, should be a DTensor")
-    local = tensor.to_local()
+        on = f"rank {who}" if isinstance(who, int) else _ranks_of(who)
+        raise AssertionError(f"{on}: got {type(tensor).__name__}, should be a DTensor")
+    piece = tensor.to_local()
     full = to_numpy(tensor.full_tensor()) if with_full else None
-    coord = tuple(int(c) for c in (tensor.device_mesh.get_coordinate() or ()))
+    coord = tuple(local.integer(c) for c in (tensor.device_mesh.get_coordinate() or ()))
     return DTensorView(
         rank=rank,
         coord=coord,
@@ -129,18 +142,25 @@ def view_of(tensor: torch.Tensor | None, rank: int, *, with_full: bool = True) -
         stride=tuple(tensor.stride()),
         placements=from_torch_placements(tensor.placements),
         dtype=dtype_name(tensor.dtype),
-        local_dtype=dtype_name(local.dtype),
-        local=to_numpy(local),
+        local_dtype=dtype_name(piece.dtype),
+        local=to_numpy(piece),
         full=full,
-        mesh_ranks=tuple(int(r) for r in tensor.device_mesh.mesh.reshape(-1).tolist()),
-        local_stride=tuple(local.stride()),
+        mesh_ranks=local.mesh_ranks(tensor.device_mesh),
+        local_stride=tuple(local.integer(s) for s in piece.stride()),
     )
+
+
+def _ranks_of(ctx: RankContext) -> str:
+    ranks = local.simulated_ranks()
+    return f"rank {ctx.rank}" if ranks is None else f"ranks {ranks[0]}-{ranks[-1]} (simulated)"
 
 
 def distribute(ctx: RankContext, case: DistributeCase) -> DTensor:
     """``distribute_tensor`` of the case's input on this rank over its mesh and placements."""
     mesh = ctx.mesh_of(case.mesh)
-    tensor = tensor_from(case.input_of(ctx.rank), case.dtype, ctx.device)
-    return distribute_tensor(
-        tensor, mesh, to_torch_placements(case.placements), src_data_rank=case.src_data_rank
+    placements = to_torch_placements(case.placements)
+    local.check_distribute_source(mesh, placements, case.src_data_rank)
+    tensor = local.rank_tensor(
+        ctx, lambda rank: tensor_from(case.input_of(rank), case.dtype, ctx.device)
     )
+    return distribute_tensor(tensor, mesh, placements, src_data_rank=case.src_data_rank)

@@ -31,7 +31,7 @@ from harness.cases.placements import (
     ReshapeCase,
 )
 from harness.parity import assert_array_equal, assert_equal_values
-from harness.torchkit import dtensor_ops, internals
+from harness.torchkit import dtensor_ops, local
 from harness.torchkit.dtensor import (
     DTensorView,
     distribute,
@@ -52,7 +52,7 @@ from specs.placements import (
 
 
 def distribute_on_rank(ctx: RankContext, case: DistributeCase) -> DTensorView:
-    return view_of(distribute(ctx, case), ctx.rank)
+    return view_of(distribute(ctx, case), ctx)
 
 
 def op_on_rank(ctx: RankContext, case: OpCase) -> list[DTensorView]:
@@ -60,7 +60,7 @@ def op_on_rank(ctx: RankContext, case: OpCase) -> list[DTensorView]:
     for one dim must not serve another)."""
     source = distribute(ctx, case.source)
     return [
-        view_of(dtensor_ops.apply(case.op, source, dim, keepdim), ctx.rank)
+        view_of(dtensor_ops.apply(case.op, source, dim, keepdim), ctx)
         for dim, keepdim in case.applications
     ]
 
@@ -85,7 +85,7 @@ def reshape_on_rank(ctx: RankContext, case: ReshapeCase) -> DTensorView | str:
         result = getattr(source, case.method)(case.target)
     except RuntimeError as exc:
         return str(exc)
-    return view_of(result, ctx.rank)
+    return view_of(result, ctx)
 
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
@@ -94,11 +94,11 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]
 def box_on_rank(ctx: RankContext, case: DistributeCase) -> tuple[Box, DTensorView]:
     """Where torch says this rank's shard sits in the global tensor, and the shard."""
     dtensor = distribute(ctx, case)
-    box = internals.local_shape_and_global_offset(dtensor)
-    return box, view_of(dtensor, ctx.rank, with_full=False)
+    box = local.shard_box(dtensor)
+    return box, view_of(dtensor, ctx, with_full=False)
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=4)
 def _source_layout(case: RedistributeCase) -> dict[Coord, np.ndarray]:
     """The model's locals of the source, distinct Partial contributions (shared by ranks)."""
     return local_arrays(
@@ -108,9 +108,11 @@ def _source_layout(case: RedistributeCase) -> dict[Coord, np.ndarray]:
 
 def _source(ctx: RankContext, case: RedistributeCase) -> DTensor:
     """This rank's part of the source: the model's local array, wrapped by ``from_local``."""
-    local = _source_layout(case)[case.coord_of(ctx.rank)]
+    layout = _source_layout(case)
     return DTensor.from_local(
-        tensor_from(local, case.dtype, ctx.device),
+        local.rank_tensor(
+            ctx, lambda rank: tensor_from(layout[case.coord_of(rank)], case.dtype, ctx.device)
+        ),
         ctx.mesh_of(case.mesh),
         to_torch_placements(case.src),
         shape=torch.Size(case.shape),
@@ -120,7 +122,7 @@ def _source(ctx: RankContext, case: RedistributeCase) -> DTensor:
 
 def redistribute_on_rank(ctx: RankContext, case: RedistributeCase) -> DTensorView:
     source = _source(ctx, case)
-    return view_of(source.redistribute(source.device_mesh, to_torch_placements(case.dst)), ctx.rank)
+    return view_of(source.redistribute(source.device_mesh, to_torch_placements(case.dst)), ctx)
 
 
 def redistribute_or_refusal_on_rank(ctx: RankContext, case: RedistributeCase) -> DTensorView | str:
@@ -130,7 +132,7 @@ def redistribute_or_refusal_on_rank(ctx: RankContext, case: RedistributeCase) ->
         result = source.redistribute(source.device_mesh, to_torch_placements(case.dst))
     except RuntimeError as exc:
         return str(exc)
-    return view_of(result, ctx.rank)
+    return view_of(result, ctx)
 
 
 def assert_layout(
@@ -204,14 +206,14 @@ def mesh_on_rank(ctx: RankContext, case: MeshCase) -> MeshView:
     groups = [mesh.get_group(axis) for axis in range(mesh.ndim)]
     sums = []
     for group in groups:
-        total = torch.tensor([ctx.rank], device=ctx.device)
+        total = local.rank_tensor(ctx, lambda rank: torch.tensor([rank], device=ctx.device))
         dist.all_reduce(total, group=group)
-        sums.append(int(total.item()))
+        sums.append(local.per_shard(total, lambda t: int(t.item())))
     coord = mesh.get_coordinate()
     return MeshView(
-        ranks=[int(r) for r in mesh.mesh.reshape(-1).tolist()],
-        coord=None if coord is None else tuple(int(c) for c in coord),
-        group_ranks=[dist.get_process_group_ranks(group) for group in groups],
+        ranks=local.map_value(local.mesh_ranks(mesh), list),
+        coord=None if coord is None else tuple(local.integer(c) for c in coord),
+        group_ranks=[local.group_ranks(group) for group in groups],
         group_sums=sums,
     )
 
@@ -245,8 +247,8 @@ def factory_on_rank(ctx: RankContext, case: FactoryCase) -> FactoryView:
     grad = None
     if made.requires_grad:
         (made * made).sum().backward()
-        grad = view_of(made.grad, ctx.rank) if made.grad is not None else None
-    return FactoryView(view_of(made.detach(), ctx.rank), made.requires_grad, made.is_leaf, grad)
+        grad = view_of(made.grad, ctx) if made.grad is not None else None
+    return FactoryView(view_of(made.detach(), ctx), made.requires_grad, made.is_leaf, grad)
 
 
 def factory_on_one_device(case: FactoryCase, device: str) -> torch.Tensor:
@@ -278,7 +280,9 @@ def from_the_back_on_rank(ctx: RankContext, case: DistributeCase) -> dict[str, D
     spelled = to_torch_placements(case.placements)
     whole = tensor_from(case.global_array(), case.dtype, ctx.device)
     piece = local_arrays(case.global_array(), case.mesh_shape, case.placements)
-    local = tensor_from(piece[case.coord_of(ctx.rank)], case.dtype, ctx.device)
+    mine = local.rank_tensor(
+        ctx, lambda rank: tensor_from(piece[case.coord_of(rank)], case.dtype, ctx.device)
+    )
     size, replicated = torch.Size(case.shape), [TorchReplicate()] * mesh.ndim
 
     def hinted_gradient() -> torch.Tensor | None:
@@ -291,7 +295,7 @@ def from_the_back_on_rank(ctx: RankContext, case: DistributeCase) -> dict[str, D
     calls: dict[str, Callable[[], torch.Tensor | None]] = {
         "distribute_tensor": lambda: distribute_tensor(whole, mesh, spelled),
         "from_local": lambda: DTensor.from_local(
-            local, mesh, spelled, shape=size, stride=contiguous_stride(case.shape)
+            mine, mesh, spelled, shape=size, stride=contiguous_stride(case.shape)
         ),
         "redistribute": lambda: distribute_tensor(whole, mesh, replicated).redistribute(
             mesh, spelled
@@ -308,7 +312,7 @@ def from_the_back_on_rank(ctx: RankContext, case: DistributeCase) -> dict[str, D
         except (AssertionError, RuntimeError, ValueError) as exc:
             results[api] = f"{type(exc).__name__}: {exc}"
         else:
-            results[api] = view_of(made, ctx.rank)
+            results[api] = view_of(made, ctx)
     return results
 
 
@@ -319,4 +323,4 @@ def flattened_on_rank(ctx: RankContext, case: FlattenedCase) -> DTensorView:
     names = tuple(f"p{axis}" for axis in case.flattened)
     root[names]._flatten("_".join(names))
     whole = tensor_from(source.global_array(), source.dtype, ctx.device)
-    return view_of(distribute_tensor(whole, root, to_torch_placements(source.placements)), ctx.rank)
+    return view_of(distribute_tensor(whole, root, to_torch_placements(source.placements)), ctx)

@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from harness import RankContext
 from harness.cases.programs import ProgramCase
+from harness.torchkit import local
 from harness.torchkit.dtensor import (
     DTensorView,
     tensor_from,
@@ -70,28 +71,35 @@ def program_on_rank(ctx: RankContext, case: ProgramCase) -> ProgramRun:
             inputs.append(dtensor)
             leaves.append(dtensor)
             continue
-        local = tensor_from(leaf_pieces(case, index, ctx.rank), "float64", ctx.device)
-        local.requires_grad_()
+        piece = _leaf_piece(ctx, case, index)
+        piece.requires_grad_()
         if leaf.explicit_shape:
             shape, stride = torch.Size(case.shape), contiguous_stride(case.shape)
-            inputs.append(DTensor.from_local(local, mesh, placements, shape=shape, stride=stride))
+            inputs.append(DTensor.from_local(piece, mesh, placements, shape=shape, stride=stride))
         else:
-            inputs.append(DTensor.from_local(local, mesh, placements))
-        leaves.append(local)
+            inputs.append(DTensor.from_local(piece, mesh, placements))
+        leaves.append(piece)
     values = run_steps(case, list(inputs), mesh)
     loss_of(case, values).backward()
     return ProgramRun(
-        values=[view_of(v.detach(), ctx.rank) for v in values],
+        values=[view_of(v.detach(), ctx) for v in values],
         requires_grad=[v.requires_grad for v in values],
-        grads=[_grad_of(leaf, ctx.rank) for leaf in leaves],
+        grads=[_grad_of(leaf, ctx) for leaf in leaves],
     )
 
 
-def _grad_of(leaf: torch.Tensor, rank: int) -> DTensorView | np.ndarray | None:
+def _leaf_piece(ctx: RankContext, case: ProgramCase, index: int) -> torch.Tensor:
+    """This rank's piece of leaf ``index``, as a tensor (every rank's, simulated)."""
+    return local.rank_tensor(
+        ctx, lambda rank: tensor_from(leaf_pieces(case, index, rank), "float64", ctx.device)
+    )
+
+
+def _grad_of(leaf: torch.Tensor, ctx: RankContext) -> DTensorView | np.ndarray | None:
     if leaf.grad is None:
         return None
     if isinstance(leaf, DTensor):
-        return view_of(leaf.grad, rank)
+        return view_of(leaf.grad, ctx)
     return to_numpy(leaf.grad)
 
 
