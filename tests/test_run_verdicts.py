@@ -226,6 +226,7 @@ def test_ctrl_c_at_a_terminal_is_an_interrupted_run(tmp_path):
     pid, terminal = pty.fork()
     if pid == 0:  # the child: a session whose controlling terminal is the pty
         os.chdir(tmp_path)
+        default_sigint()
         os.execve(sys.executable, command, _env())
     output = bytearray()
     results = tmp_path / "out" / "results.jsonl"

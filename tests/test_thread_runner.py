@@ -350,3 +350,15 @@ def test_after_a_hang_later_calls_get_a_short_deadline_until_the_health_check():
         assert "shortened: this World already hung in this test" in str(info.value)
         assert world.check_health()
         assert world.run(_all_reduce_ones, timeout=20) == [2.0, 2.0]
+
+
+def test_among_crashed_ranks_the_primary_is_one_that_says_how():
+    from harness.runners.base import RankOutcome, primary_rank
+
+    outcomes = [
+        RankOutcome(0, "waiting", summary="released"),
+        RankOutcome(2, "crashed", summary="its connection closed"),
+        RankOutcome(3, "crashed", summary="killed by signal SIGKILL", traceback="stack"),
+    ]
+    assert primary_rank(outcomes) == 3
+    assert primary_rank([*outcomes[:2], RankOutcome(1, "crashed", summary="closed")]) == 1

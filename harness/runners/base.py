@@ -112,11 +112,14 @@ def skip_reason(exc: BaseException) -> str:
 
 
 def primary_rank(outcomes: Sequence[RankOutcome]) -> int | None:
-    """The lowest rank with the most telling non-ok status, or None when all are ok."""
+    """The lowest rank with the most telling non-ok status, or None when all are ok; among
+    ranks of that status, one that says what happened (a traceback or a story) before one
+    that does not (a rank process torchrun stopped because another died says only that its
+    connection closed)."""
     for status in _PRIMARY_ORDER:
-        ranks = [o.rank for o in outcomes if o.status == status]
+        ranks = [o for o in outcomes if o.status == status]
         if ranks:
-            return min(ranks)
+            return min(ranks, key=lambda o: (not o.traceback, o.rank)).rank
     return None
 
 
