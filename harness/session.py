@@ -52,6 +52,11 @@ def pytest_arguments(
         "-W",
         "ignore::pytest.PytestAssertRewriteWarning",
         "-q",
+        # pytest's own styles parse the whole source file of every frame of a failure (and of
+        # the rank exception it chains to, deep in torch) each time it is formatted, and
+        # hypothesis formats each falsifying example three times: about a tenth of a run's
+        # driver time went there. A `-- --tb=long` given to `harness run` still wins.
+        "--tb=native",
     ]
     if config.seed is not None:
         arguments += ["--hypothesis-seed", str(config.seed)]
