@@ -47,6 +47,31 @@ def conformance(session: nox.Session) -> None:
 
 
 @nox.session
+def large_worlds(session: nox.Session) -> None:
+    """The DTensor-level suites at world sizes no host holds as threads or processes, on the
+    local runner (every rank simulated in one thread): world sizes 8, 16 and 64 by default;
+    ``-- --world-sizes 128,256 --profile ci`` for more."""
+    session.install(TORCH, "-e", ".")
+    session.run(
+        "python",
+        "-m",
+        "harness",
+        "run",
+        "--runner",
+        "local",
+        "--suite",
+        "placements,uneven",
+        "--world-sizes",
+        "8,16,64",
+        "--profile",
+        "dev",
+        "--out",
+        os.path.join(REPORTS, "large-worlds"),
+        *session.posargs,
+    )
+
+
+@nox.session
 def gpu(session: nox.Session) -> None:
     """The suites on the accelerator torch sees (CUDA, XPU, ...): threads sharing one device,
     then rank processes with a device each and the device's default backend (nccl on CUDA).

@@ -61,6 +61,12 @@ def costly(cost: int) -> settings:
     return settings(deadline=None, max_examples=max(2, budget // cost))
 
 
+HANG_DEADLINE = 3.0
+"""Seconds a ``hanging`` property gives each call: its failing example waits it out twice
+(the example, then hypothesis' replay of it) at every world size, while a call that does not
+hang returns in milliseconds (these properties draw small cases)."""
+
+
 def hanging() -> settings:
     """Settings for a property whose failing example hangs its ranks until World.run's
     deadline (where the process runner kills them): three examples, never shrunk, since each

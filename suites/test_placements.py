@@ -13,7 +13,7 @@ from harness.cases.meshes import MeshCase
 from harness.cases.placements import DistributeCase, FactoryCase, OpCase, ReshapeCase
 from harness.cases.programs import ProgramCase, no_partial
 from harness.parity import assert_array_equal, assert_close, assert_equal_values, failure
-from harness.profiles import costly, hanging, property_settings
+from harness.profiles import HANG_DEADLINE, costly, hanging, property_settings
 from harness.strategies import (
     distribute_cases,
     einsum_unit_dim_cases,
@@ -408,7 +408,7 @@ def test_flatten_of_a_tensor_without_elements(world: World, data: st.DataObject)
     case = data.draw(flatten_empty_cases(world.world_size), label="case")
     parity.attach(case.call())
     (expected,) = op_on_one_device(case, world.device)
-    for (view,) in world.run(op_on_rank, case, timeout=5.0):
+    for (view,) in world.run(op_on_rank, case, timeout=HANG_DEADLINE):
         _assert_op_result(view, expected, case, 0)
 
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from harness import World, parity
 from harness.cases.tp import LossCase, TPCase, TransformerCase
 from harness.parity import Float32Multiple, assert_close, assert_equal_values
-from harness.profiles import costly, hanging, property_settings
+from harness.profiles import HANG_DEADLINE, costly, hanging, property_settings
 from harness.strategies import (
     loss_cases,
     loss_error_cases,
@@ -429,4 +429,4 @@ HANGS = hanging()
 @given(data=st.data())
 def test_loss_parallel_with_an_empty_class_shard(world: World, data: st.DataObject) -> None:
     case = data.draw(loss_cases(world.world_size, mesh_ndim=1, classes="empty"), label="case")
-    _check_loss(world, case, timeout=5.0)
+    _check_loss(world, case, timeout=HANG_DEADLINE)
