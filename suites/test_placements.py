@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -75,7 +77,7 @@ PROGRAM = costly(1)
 @PROPERTY
 @given(data=st.data())
 def test_meshes_built_every_way_hold_the_model_ranks(world: World, data: st.DataObject) -> None:
-    case = data.draw(mesh_cases(world.world_size), label="case")
+    case = data.draw(mesh_cases(world.world_size, lacks=world.lacks), label="case")
     parity.attach(case.call())
     views = world.run(mesh_on_rank, case)
     for rank, view in enumerate(views):
@@ -108,7 +110,9 @@ _RANDOM = ("rand", "randn")
 def test_dtensor_factories_make_what_torch_factories_make(
     world: World, data: st.DataObject
 ) -> None:
-    case = data.draw(factory_cases(world.world_size, factories=_KNOWN_VALUES), label="case")
+    case = data.draw(
+        factory_cases(world.world_size, lacks=world.lacks, factories=_KNOWN_VALUES), label="case"
+    )
     parity.attach(case.call())
     want = factory_on_one_device(case, world.device)
     for rank, made in enumerate(world.run(factory_on_rank, case)):
@@ -121,7 +125,9 @@ def test_dtensor_factories_make_what_torch_factories_make(
 def test_random_dtensor_factories_make_tensors_like_torch(
     world: World, data: st.DataObject
 ) -> None:
-    case = data.draw(factory_cases(world.world_size, factories=_RANDOM), label="case")
+    case = data.draw(
+        factory_cases(world.world_size, lacks=world.lacks, factories=_RANDOM), label="case"
+    )
     parity.attach(case.call())
     want = factory_on_one_device(case, world.device)
     for rank, made in enumerate(world.run(factory_on_rank, case)):
@@ -159,7 +165,7 @@ def _assert_factory_made(
 def test_every_api_takes_a_shard_dim_counted_from_the_back(
     world: World, data: st.DataObject
 ) -> None:
-    case = data.draw(from_the_back_cases(world.world_size), label="case")
+    case = data.draw(from_the_back_cases(world.world_size, lacks=world.lacks), label="case")
     parity.attach(case.call())
     results = world.run(from_the_back_on_rank, case)
     refused: dict[str, str] = {}
@@ -217,7 +223,9 @@ def test_flattening_mesh_axes_leaves_dtensors_on_the_mesh_alone(
 @PROPERTY
 @given(data=st.data())
 def test_distribute_tensor_matches_model(world: World, data: st.DataObject) -> None:
-    case = data.draw(distribute_cases(world.world_size, no_source=True), label="case")
+    case = data.draw(
+        distribute_cases(world.world_size, lacks=world.lacks, no_source=True), label="case"
+    )
     parity.attach(case.call())
     views = world.run(distribute_on_rank, case)
     if case.src_data_rank is None:
@@ -240,7 +248,7 @@ def _assert_own_pieces(views: list[DTensorView], case: DistributeCase) -> None:
 @PROPERTY
 @given(data=st.data())
 def test_distribute_partial_sum_keeps_integer_dtype(world: World, data: st.DataObject) -> None:
-    case = data.draw(partial_sum_integer_cases(world.world_size), label="case")
+    case = data.draw(partial_sum_integer_cases(world.world_size, lacks=world.lacks), label="case")
     parity.attach(case.call())
     views = world.run(distribute_on_rank, case)
     # how an integer sum is split is not specified
@@ -256,10 +264,9 @@ def _shardable_ops(world: World) -> frozenset[str]:
 @PROPERTY
 @given(data=st.data())
 def test_redistribute_preserves_global_value(world: World, data: st.DataObject) -> None:
-    case = data.draw(
-        redistribute_cases(world.world_size, shardable_ops=_shardable_ops(world)),
-        label="case",
-    )
+    shardable = _shardable_ops(world)
+    strategy = redistribute_cases(world.world_size, lacks=world.lacks, shardable_ops=shardable)
+    case = data.draw(strategy, label="case")
     parity.attach(case.call())
     views = world.run(redistribute_on_rank, case)
     # kept Partial axes hold source contributions, regrouped
@@ -275,7 +282,7 @@ def test_redistribute_partial_extremum_to_shard(world: World, data: st.DataObjec
         pytest.skip(
             f"{world.runner} runner cannot serve {', '.join(lacking)} (Partial max/min -> Shard)"
         )
-    case = data.draw(extremum_to_shard_cases(world.world_size), label="case")
+    case = data.draw(extremum_to_shard_cases(world.world_size, lacks=world.lacks), label="case")
     parity.attach(case.call())
     views = world.run(redistribute_on_rank, case)
     assert_layout(views, case, partial_values_known=False)
@@ -287,7 +294,7 @@ def test_redistribute_partial_extremum_to_shard(world: World, data: st.DataObjec
 def test_redistribute_into_new_partial_is_refused_or_right(
     world: World, data: st.DataObject
 ) -> None:
-    case = data.draw(partial_target_cases(world.world_size), label="case")
+    case = data.draw(partial_target_cases(world.world_size, lacks=world.lacks), label="case")
     parity.attach(case.call())
     results = world.run(redistribute_or_refusal_on_rank, case)
     refused = [rank for rank, result in enumerate(results) if isinstance(result, str)]
@@ -315,7 +322,7 @@ OP_WHY = "sharded reductions add the same terms in another order"
 @PROPERTY
 @given(data=st.data())
 def test_ops_on_dtensors_match_one_device(world: World, data: st.DataObject) -> None:
-    cases = data.draw(op_cases(world.world_size), label="cases")
+    cases = data.draw(op_cases(world.world_size, lacks=world.lacks), label="cases")
     results = world.run(ops_on_rank, cases)
     for number, case in enumerate(cases):
         parity.attach(case.call())
@@ -416,7 +423,7 @@ def test_flatten_of_a_tensor_without_elements(world: World, data: st.DataObject)
 @PROPERTY
 @given(data=st.data())
 def test_view_and_reshape_match_one_device(world: World, data: st.DataObject) -> None:
-    case = data.draw(reshape_cases(world.world_size), label="case")
+    case = data.draw(reshape_cases(world.world_size, lacks=world.lacks), label="case")
     parity.attach(case.call())
     expected = case.source.global_array().reshape(case.target)
     sharded = any(isinstance(p, Shard) for p in case.source.placements)
@@ -457,24 +464,27 @@ PROGRAM_WHY = "the same terms added in another order; atol scales with the large
 def test_dtensor_programs_and_their_gradients_match_one_device(
     world: World, data: st.DataObject
 ) -> None:
-    _check_program(world, data.draw(program_cases(world.world_size), label="case"))
+    _check_drawn_program(world, data, program_cases)
 
 
 @pytest.mark.spec("placements.program.inplace_on_partial")
 @costly(7)  # 61 ms an example at world size 4
 @given(data=st.data())
 def test_inplace_ops_on_pending_sums_match_one_device(world: World, data: st.DataObject) -> None:
-    _check_program(world, data.draw(inplace_on_partial_cases(world.world_size), label="case"))
+    _check_drawn_program(world, data, inplace_on_partial_cases)
 
 
 @pytest.mark.spec("placements.ops.einsum_unit_dim")
 @PROGRAM
 @given(data=st.data())
 def test_einsum_with_a_sharded_dim_of_size_one(world: World, data: st.DataObject) -> None:
-    _check_program(world, data.draw(einsum_unit_dim_cases(world.world_size), label="case"))
+    _check_drawn_program(world, data, einsum_unit_dim_cases)
 
 
-def _check_program(world: World, case: ProgramCase) -> None:
+def _check_drawn_program(
+    world: World, data: st.DataObject, cases: Callable[..., st.SearchStrategy[ProgramCase]]
+) -> None:
+    case = data.draw(cases(world.world_size, lacks=world.lacks), label="case")
     parity.attach(case.call())
     expected = program_on_one_device(case, world.device)
     runs = world.run(program_on_rank, case)

@@ -68,7 +68,7 @@ def test_shard_gives_torch_chunk_pieces(world: World, data: st.DataObject) -> No
 @PROPERTY
 @given(data=st.data())
 def test_shards_know_where_they_sit_in_the_global_tensor(world: World, data: st.DataObject) -> None:
-    case = data.draw(distribute_cases(world.world_size), label="case")
+    case = data.draw(distribute_cases(world.world_size, lacks=world.lacks), label="case")
     parity.attach(case.call())
     global_array = case.global_array()
     boxes = local_boxes(case.shape, case.mesh_shape, case.placements)
@@ -105,7 +105,7 @@ def test_max_min_reductions_over_empty_shards(world: World, data: st.DataObject)
 @PROPERTY
 @given(data=st.data())
 def test_redistribute_uneven_shards_leaks_no_padding(world: World, data: st.DataObject) -> None:
-    case = data.draw(uneven_redistribute_cases(world.world_size), label="case")
+    case = data.draw(uneven_redistribute_cases(world.world_size, lacks=world.lacks), label="case")
     parity.attach(case.call())
     assert_layout(world.run(redistribute_on_rank, case), case, partial_values_known=True)
 

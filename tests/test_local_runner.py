@@ -251,6 +251,28 @@ def test_worlds_of_several_sizes_take_turns_with_the_default_group():
     assert not dist.is_initialized()
 
 
+def _fails_only_simulated(ctx):
+    if local.simulated_ranks() is not None:
+        raise RuntimeError("the simulation cannot take this")
+    return local.rank_of(ctx)
+
+
+def _fails_everywhere(ctx):
+    raise RuntimeError("the code under test is wrong")
+
+
+def test_a_failure_rank_threads_do_not_share_is_told_as_the_simulations(world8):
+    with pytest.raises(RankFailure) as info:
+        world8.run(_fails_only_simulated)
+    assert "the simulation cannot take this" in str(info.value)
+    assert "simulation only: the same call passes on 8 rank threads" in str(info.value)
+    with pytest.raises(RankFailure) as info:
+        world8.run(_fails_everywhere)
+    assert "the code under test is wrong" in str(info.value)
+    assert "simulation only" not in str(info.value)
+    assert [r for r, *_ in world8.run(_summed_ranks)] == list(range(8))  # and it goes on
+
+
 def test_a_local_world_leaves_the_process_hooks_as_it_found_them():
     # (init_process_group wraps sys.excepthook with a rank prefix each time it is called)
     before = sys.excepthook, threading.excepthook

@@ -165,6 +165,47 @@ def test_mesh_cases_build_meshes_of_their_shape_over_the_world(world_size, data)
         assert grid[case.coord_of(rank)] == rank
 
 
+LOCAL_LACKS = frozenset({"mesh.from_group", "scatter.group_src"})
+
+
+@settings(max_examples=200)
+@given(st.integers(1, 8), st.data())
+def test_what_a_world_lacks_is_never_drawn(world_size, data):
+    strategy = data.draw(
+        st.sampled_from(
+            [
+                hs.distribute_cases(world_size, no_source=True, lacks=LOCAL_LACKS),
+                hs.redistribute_cases(world_size, lacks=LOCAL_LACKS),
+                hs.program_cases(world_size, lacks=LOCAL_LACKS),
+                hs.factory_cases(world_size, lacks=LOCAL_LACKS),
+                hs.reshape_cases(world_size, lacks=LOCAL_LACKS),
+            ]
+        )
+    )
+    case = data.draw(strategy)
+    case = getattr(case, "source", case)  # a reshape of a distributed source
+    assert case.mesh.how != "from_group"
+    assert getattr(case, "src_data_rank", 0) in (0, None)
+
+
+def test_meshes_from_an_axis_group_are_drawn_where_nothing_is_lacked():
+    seen = set()
+
+    @settings(max_examples=200, database=None)
+    @given(hs.mesh_cases(4))
+    def collect(case):
+        seen.add(case.how)
+
+    collect()
+    assert "from_group" in seen
+
+
+@pytest.mark.parametrize("lacks", [frozenset({1}), "mesh.from_group", None])
+def test_lacks_is_refused_unless_it_names_what_is_lacked(lacks):
+    with pytest.raises(InvalidArgument, match=re.escape(f"lacks={lacks!r}")):
+        hs.distribute_cases(4, lacks=lacks)
+
+
 def test_mesh_cases_spell_their_construction():
     sliced = MeshCase((2, 3), "sliced", (1,))
     assert sliced.shape == (3,)

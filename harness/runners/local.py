@@ -28,6 +28,7 @@ process from starting another simulation.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import itertools
 import os
@@ -39,7 +40,7 @@ import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore
@@ -48,6 +49,8 @@ from harness.errors import DistconfError, WorldStartError
 from harness.runners._hooks import ProcessHooks, hooks_lock
 from harness.runners.base import (
     DEFAULT_TIMEOUT,
+    AllRanksSkipped,
+    RankFailure,
     RankOutcome,
     RankStatus,
     error_outcome,
@@ -71,6 +74,16 @@ _MEMORY_POLL = 0.05
 """Seconds between two looks at the process's memory while a call runs."""
 _STOP = None
 _THREAD_PREFIX = "distconf-local"
+SIMULATION_ONLY = (
+    "simulation only: the same call passes on {world_size} rank threads, so LocalTensorMode "
+    "cannot simulate it (a limitation of the local runner, not of the code under test)"
+)
+"""Added to a failure the thread runner's ranks do not share (``LocalWorld.run``)."""
+CROSS_CHECK_TIMEOUT = 15.0
+"""Seconds rank threads get to run a failed call again: a redistribute on 64 of them takes
+about one, a long program on 64 of them more than a minute; past it the cross-check cannot
+tell, and the failure is told as it is."""
+T = TypeVar("T")
 
 # Calls of every local World take turns: LocalTensorMode's state is process-wide.
 _turn = threading.Lock()
@@ -243,7 +256,9 @@ class _Simulation:
             if current is not None and current is self.group:
                 return
             if current is not None:
-                if current is not _made_group:
+                # Another local World's fake group (the thread runner's thread-local world,
+                # installed and given back meanwhile, can bring an older one back) is ours.
+                if current is not _made_group and dist.get_backend() != LOCAL_BACKEND:
                     backend = dist.get_backend()
                     raise WorldStartError(
                         f"this process already has a default process group ({backend}); the "
@@ -270,9 +285,10 @@ class _Simulation:
     def _leave(self) -> None:
         global _made_group
         with _group_lock:
-            if self.group is not None and self.group is _made_group and dist.is_initialized():
-                if dist.distributed_c10d._get_default_group() is self.group:
-                    dist.destroy_process_group()
+            # The default group is a local World's (a fake group) or another runner's; any
+            # local World's call makes its own again when it is gone.
+            if dist.is_initialized() and dist.get_backend() == LOCAL_BACKEND:
+                dist.destroy_process_group()
                 _made_group = None
             self.group = None
 
@@ -308,6 +324,51 @@ class LocalWorld(PersistentWorld[_Simulation]):
     ) -> None:
         internals.quiet_known_warnings()
         super().__init__(world_size, device, timeout=timeout)
+        self._threads: PersistentWorld[Any] | None = None
+        """Rank threads of the same size, started at the first failed call to cross-check it."""
+
+    def run(self, fn: Callable[..., T], *args: Any, timeout: float | None = None) -> list[T]:
+        """``PersistentWorld.run``; a call that raised on the simulation is run again on rank
+        threads of the same World size, and where they take it the failure says so
+        (``SIMULATION_ONLY``): a limitation of LocalTensorMode, not of the code under test."""
+        try:
+            return super().run(fn, *args, timeout=timeout)
+        except RankFailure as failure:
+            if failure.timed_out or failure.primary.status != "error":
+                raise
+            told = self._cross_checked(failure, fn, args, timeout)
+            if told is failure:
+                raise
+            raise told from failure.primary.exception
+
+    def _cross_checked(
+        self,
+        failure: RankFailure,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        timeout: float | None,
+    ) -> RankFailure:
+        from harness.runners.threads import ThreadWorld
+
+        if self._threads is None:
+            self._threads = ThreadWorld(self.world_size, self.device, timeout=self.timeout)
+        try:
+            self._threads.run(fn, *args, timeout=min(timeout or self.timeout, CROSS_CHECK_TIMEOUT))
+        except (DistconfError, AllRanksSkipped):  # failed there too, or could not tell
+            return failure
+        primary = failure.primary
+        summary = f"{primary.summary} [{SIMULATION_ONLY.format(world_size=self.world_size)}]"
+        told = dataclasses.replace(primary, summary=summary)
+        outcomes = [told if o.rank == primary.rank else o for o in failure.outcomes]
+        return RankFailure(outcomes, runner=self.runner, device=self.device)
+
+    def close(self) -> None:
+        # Rank threads first: the last thread World gives the process back c10d's shared
+        # world, whose fake default group the simulation then destroys as it leaves.
+        threads, self._threads = self._threads, None
+        if threads is not None:
+            threads.close()
+        super().close()
 
     def _refuse_caller(self, method: str) -> None:
         if threading.current_thread().name.startswith(_THREAD_PREFIX):

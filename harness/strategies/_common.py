@@ -19,11 +19,29 @@ from typing import Any, TypeVar
 from hypothesis import strategies as st
 
 from harness.cases.placements import DTYPES
-from harness.errors import check_int, check_subset
+from harness.errors import check_int, check_subset, require
 
 T = TypeVar("T")
 MAX_SIDE = 17
 MAX_MESH_NDIM = 3
+
+Lacks = frozenset[str]
+"""What the World a case is drawn for cannot serve (``World.lacks``); a strategy given it
+never draws what it names (``mesh.from_group``: a mesh from an axis group;
+``scatter.group_src``: a ``src_data_rank`` other than 0)."""
+
+
+def checked_lacks(lacks: object) -> Lacks:
+    """``lacks`` as a frozenset of names, refused (``InvalidArgument``) when it is not one."""
+    require(
+        isinstance(lacks, frozenset | set | tuple | list)
+        and all(isinstance(name, str) for name in lacks),
+        "lacks",
+        lacks,
+        "a frozenset of the names a World lacks (World.lacks)",
+    )
+    assert isinstance(lacks, frozenset | set | tuple | list)
+    return frozenset(lacks)
 
 
 def takes_world_size(
@@ -37,6 +55,8 @@ def takes_world_size(
     @functools.wraps(composite)
     def strategy(world_size: int, **kwargs: Any) -> st.SearchStrategy[T]:
         check_int("world_size", world_size)
+        if "lacks" in kwargs:
+            kwargs["lacks"] = checked_lacks(kwargs["lacks"])
         return built(world_size, **kwargs)
 
     return strategy

@@ -21,6 +21,8 @@ from harness.cases.placements import (
 )
 from harness.errors import check_int, check_subset, require
 from harness.strategies._common import (
+    Lacks,
+    checked_lacks,
     dtypes,
     factorisations,
     sampled,
@@ -85,16 +87,16 @@ def _ops_for(dtype: str) -> tuple[str, ...]:
 @takes_world_size
 @st.composite
 def distribute_cases(
-    draw: st.DrawFn, world_size: int, *, no_source: bool = False
+    draw: st.DrawFn, world_size: int, *, no_source: bool = False, lacks: Lacks = frozenset()
 ) -> DistributeCase:
     """A tensor, a mesh over ``world_size`` ranks, placements and a ``src_data_rank`` (a
     group rank every axis has; ``no_source=True`` also draws None where no axis is Partial)
-    for ``distribute_tensor``.
+    for ``distribute_tensor``; source 0 where the World lacks ``scatter.group_src``.
 
     int64 never meets ``Partial('sum')`` here: torch 2.13 turns it into float32
     (spec ``placements.distribute.partial_sum_keeps_dtype`` checks that on its own).
     """
-    built = draw(mesh_cases(world_size))
+    built = draw(mesh_cases(world_size, lacks=lacks))
     mesh = built.shape
     shape = draw(shapes(near=max(mesh)))
     dtype = draw(dtypes())
@@ -104,12 +106,14 @@ def distribute_cases(
     if no_source and not any(isinstance(p, Partial) for p in chosen):
         sources += (None,)
     seed, source = draw(seeds()), draw(sampled(sources))
+    if "scatter.group_src" in lacks and source:
+        source = 0  # drawn all the same, as mesh_cases does with a construction it lacks
     return DistributeCase(mesh, chosen, shape, dtype, seed, source, built)
 
 
 @takes_world_size
 @st.composite
-def op_cases(draw: st.DrawFn, world_size: int) -> tuple[OpCase, ...]:
+def op_cases(draw: st.DrawFn, world_size: int, *, lacks: Lacks = frozenset()) -> tuple[OpCase, ...]:
     """A float64 DTensor laid out by drawn placements and 1-4 distinct ops of
     ``harness.torchkit.dtensor_ops`` that fit its rank (amax/amin along a non-empty dim, as on one
     device), each an ``OpCase`` of the same source. An op along a dim is applied along each
@@ -118,7 +122,7 @@ def op_cases(draw: st.DrawFn, world_size: int) -> tuple[OpCase, ...]:
     max/min reductions are drawn only where no rank holds an empty shard
     (``extremum_empty_shard_cases`` draws those), matmul only where no dim of size 0 is
     sharded in a tensor of 3 or more dims (``matmul_empty_batch_cases``)."""
-    built = draw(mesh_cases(world_size))
+    built = draw(mesh_cases(world_size, lacks=lacks))
     mesh = built.shape
     shape = draw(shapes(near=max(mesh)))
     chosen = draw(placements(len(mesh), len(shape)))
@@ -156,12 +160,12 @@ def _from_the_front(dim: int, ndim: int) -> st.SearchStrategy[int]:
 
 @takes_world_size
 @st.composite
-def reshape_cases(draw: st.DrawFn, world_size: int) -> ReshapeCase:
+def reshape_cases(draw: st.DrawFn, world_size: int, *, lacks: Lacks = frozenset()) -> ReshapeCase:
     """A DTensor with elements laid out by drawn placements, viewed or reshaped to 1-3 dims
     that regroup its elements (the prime factors of its size dealt out anew, sides of 1
     among them). Tensors without elements are left to ``flatten_empty_cases``: torch 2.13
     never returns from some of their views (spec placements.ops.flatten_empty)."""
-    built = draw(mesh_cases(world_size))
+    built = draw(mesh_cases(world_size, lacks=lacks))
     mesh = built.shape
     shape = draw(shapes(min_ndim=1, near=max(mesh)).filter(lambda s: 0 not in s))
     chosen = draw(placements(len(mesh), len(shape)))
@@ -257,6 +261,7 @@ def redistribute_cases(
     *,
     reduce_ops: tuple[str, ...] = REDUCE_OPS,
     shardable_ops: frozenset[str] = frozenset(REDUCE_OPS),
+    lacks: Lacks = frozenset(),
 ) -> RedistributeCase:
     """A source and a destination layout for ``redistribute``.
 
@@ -265,7 +270,7 @@ def redistribute_cases(
     ``placements.redistribute.partial_target_rejected``). A ``Partial(op)`` axis becomes
     ``Shard`` (a reduce-scatter with ``op``) only when ``op`` is in ``shardable_ops``.
     """
-    built = draw(mesh_cases(world_size))
+    built = draw(mesh_cases(world_size, lacks=lacks))
     mesh = built.shape
     shape = draw(shapes(near=max(mesh)))
     dtype = draw(dtypes())
@@ -294,10 +299,12 @@ def _destinations(
 
 @takes_world_size
 @st.composite
-def partial_target_cases(draw: st.DrawFn, world_size: int) -> RedistributeCase:
+def partial_target_cases(
+    draw: st.DrawFn, world_size: int, *, lacks: Lacks = frozenset()
+) -> RedistributeCase:
     """A redistribute whose destination adds a ``Partial`` on an axis the source does not
     hold it on (DTensor must refuse it)."""
-    built = draw(mesh_cases(world_size))
+    built = draw(mesh_cases(world_size, lacks=lacks))
     mesh = built.shape
     shape = draw(shapes())
     dtype = draw(dtypes())
@@ -313,9 +320,11 @@ def partial_target_cases(draw: st.DrawFn, world_size: int) -> RedistributeCase:
 
 @takes_world_size
 @st.composite
-def extremum_to_shard_cases(draw: st.DrawFn, world_size: int) -> RedistributeCase:
+def extremum_to_shard_cases(
+    draw: st.DrawFn, world_size: int, *, lacks: Lacks = frozenset()
+) -> RedistributeCase:
     """A ``Partial('max'|'min')`` axis that becomes ``Shard`` (a reduce-scatter with max/min)."""
-    built = draw(mesh_cases(world_size))
+    built = draw(mesh_cases(world_size, lacks=lacks))
     mesh = built.shape
     shape = draw(shapes(min_ndim=1))
     dtype = draw(dtypes())
@@ -331,9 +340,11 @@ def extremum_to_shard_cases(draw: st.DrawFn, world_size: int) -> RedistributeCas
 
 @takes_world_size
 @st.composite
-def partial_sum_integer_cases(draw: st.DrawFn, world_size: int) -> DistributeCase:
+def partial_sum_integer_cases(
+    draw: st.DrawFn, world_size: int, *, lacks: Lacks = frozenset()
+) -> DistributeCase:
     """int64 tensors distributed with at least one ``Partial('sum')`` axis."""
-    built = draw(mesh_cases(world_size))
+    built = draw(mesh_cases(world_size, lacks=lacks))
     mesh = built.shape
     shape = draw(shapes())
     chosen = list(draw(placements(len(mesh), len(shape), reduce_ops=("sum",))))
@@ -344,10 +355,12 @@ def partial_sum_integer_cases(draw: st.DrawFn, world_size: int) -> DistributeCas
 
 @takes_world_size
 @st.composite
-def uneven_redistribute_cases(draw: st.DrawFn, world_size: int) -> RedistributeCase:
+def uneven_redistribute_cases(
+    draw: st.DrawFn, world_size: int, *, lacks: Lacks = frozenset()
+) -> RedistributeCase:
     """Shard/Replicate to Shard/Replicate on 1-D and 2-D meshes (built any way), dims drawn
     around the axis sizes so pieces are short, empty or uneven (the collectives pad them)."""
-    built = draw(mesh_cases(world_size, max_ndim=2))
+    built = draw(mesh_cases(world_size, max_ndim=2, lacks=lacks))
     mesh = built.shape
     ndim = draw(st.integers(1, 3))
     shape = tuple(draw(st.integers(0, 2 * max(mesh) + 1)) for _ in range(ndim))
@@ -375,7 +388,7 @@ _FILLS: tuple[FillValue, ...] = (2, 1.5, True, -3, 0.25, False)
 
 
 def factory_cases(
-    world_size: int, *, factories: Sequence[str] = FACTORIES
+    world_size: int, *, factories: Sequence[str] = FACTORIES, lacks: Lacks = frozenset()
 ) -> st.SearchStrategy[FactoryCase]:
     """A DTensor factory of ``factories`` over a drawn mesh and Shard/Replicate placements
     (dims counted from the front: spec placements.api.shard_dim_from_the_back checks the
@@ -384,13 +397,15 @@ def factory_cases(
     dtype is floating (torch refuses it on integer tensors)."""
     check_int("world_size", world_size)
     check_subset("factories", factories, FACTORIES, non_empty=True)
-    return _factory_cases(world_size, tuple(factories))
+    return _factory_cases(world_size, tuple(factories), checked_lacks(lacks))
 
 
 @cache
 @st.composite
-def _factory_cases(draw: st.DrawFn, world_size: int, factories: tuple[str, ...]) -> FactoryCase:
-    built = draw(mesh_cases(world_size))
+def _factory_cases(
+    draw: st.DrawFn, world_size: int, factories: tuple[str, ...], lacks: Lacks
+) -> FactoryCase:
+    built = draw(mesh_cases(world_size, lacks=lacks))
     mesh = built.shape
     shape = draw(shapes(near=max(mesh)))
     chosen = normalize(draw(placements(len(mesh), len(shape), reduce_ops=())), len(shape))
@@ -413,10 +428,12 @@ def _floating(dtype: str | None, fill: FillValue | None) -> bool:
 
 @takes_world_size
 @st.composite
-def from_the_back_cases(draw: st.DrawFn, world_size: int) -> DistributeCase:
+def from_the_back_cases(
+    draw: st.DrawFn, world_size: int, *, lacks: Lacks = frozenset()
+) -> DistributeCase:
     """float64 Shard/Replicate placements over a drawn mesh, one axis or more sharding a
     dim counted from the back (``Shard(d - ndim)``)."""
-    built = draw(mesh_cases(world_size))
+    built = draw(mesh_cases(world_size, lacks=lacks))
     mesh = built.shape
     shape = draw(shapes(min_ndim=1, near=max(mesh)))
     chosen = list(draw(placements(len(mesh), len(shape), reduce_ops=())))

@@ -20,7 +20,15 @@ from harness.cases.programs import (
     may_be_partial,
 )
 from harness.errors import check_int
-from harness.strategies._common import mix, sampled, seeds, shapes, takes_world_size
+from harness.strategies._common import (
+    Lacks,
+    checked_lacks,
+    mix,
+    sampled,
+    seeds,
+    shapes,
+    takes_world_size,
+)
 from harness.strategies.meshes import mesh_cases
 from harness.strategies.placements import placements
 from specs.placements import Partial, Placement, Replicate, Shard, local_boxes
@@ -51,20 +59,22 @@ _ARITY_ONE_NEEDS: dict[str, Callable[[Shape], bool]] = {
 }
 
 
-def program_cases(world_size: int, *, max_steps: int = 8) -> st.SearchStrategy[ProgramCase]:
+def program_cases(
+    world_size: int, *, max_steps: int = 8, lacks: Lacks = frozenset()
+) -> st.SearchStrategy[ProgramCase]:
     """1-3 leaves of one shape with elements on a drawn mesh (every construction of
     ``mesh_cases``), each laid out by its own placements (Partial only 'sum': the one
     reduction with a gradient of its own), then 1-``max_steps`` steps, each of an op that
     fits the values before it."""
     check_int("world_size", world_size)
     check_int("max_steps", max_steps)
-    return _program_cases(world_size, max_steps)
+    return _program_cases(world_size, max_steps, checked_lacks(lacks))
 
 
 @cache
 @st.composite
-def _program_cases(draw: st.DrawFn, world_size: int, max_steps: int) -> ProgramCase:
-    mesh = draw(mesh_cases(world_size))
+def _program_cases(draw: st.DrawFn, world_size: int, max_steps: int, lacks: Lacks) -> ProgramCase:
+    mesh = draw(mesh_cases(world_size, lacks=lacks))
     shape = draw(_shapes(max(mesh.shape)))
     count = draw(st.integers(1, 3))
     leaves = tuple(
@@ -222,11 +232,13 @@ def _relabel(
 
 @takes_world_size
 @st.composite
-def inplace_on_partial_cases(draw: st.DrawFn, world_size: int) -> ProgramCase:
+def inplace_on_partial_cases(
+    draw: st.DrawFn, world_size: int, *, lacks: Lacks = frozenset()
+) -> ProgramCase:
     """A leaf with a sharded dim, a reduction over it (a Partial result where the dim is
     split), then an in-place op that needs the reduced value: a scalar added, or the value
     multiplied by itself."""
-    mesh = draw(mesh_cases(world_size))
+    mesh = draw(mesh_cases(world_size, lacks=lacks))
     shape = draw(_shapes(max(mesh.shape)).filter(lambda s: len(s) >= 1))
     chosen = list(draw(_targets(len(mesh.shape), len(shape))))
     dim = draw(st.integers(0, len(shape) - 1))
@@ -241,10 +253,12 @@ def inplace_on_partial_cases(draw: st.DrawFn, world_size: int) -> ProgramCase:
 
 @takes_world_size
 @st.composite
-def einsum_unit_dim_cases(draw: st.DrawFn, world_size: int) -> ProgramCase:
+def einsum_unit_dim_cases(
+    draw: st.DrawFn, world_size: int, *, lacks: Lacks = frozenset()
+) -> ProgramCase:
     """einsum('ij,kj->ik') of a 2-D leaf with itself, one of its dims of size 1 and sharded
     on one mesh axis (the others Replicate), then backward."""
-    mesh = draw(mesh_cases(world_size))
+    mesh = draw(mesh_cases(world_size, lacks=lacks))
     dim = draw(st.integers(0, 1))
     shape = [draw(st.integers(1, 2 * max(mesh.shape) + 1)) for _ in range(2)]
     shape[dim] = 1
