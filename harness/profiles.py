@@ -55,7 +55,9 @@ def costly(cost: int) -> settings:
     How a suite picks ``cost`` for its costliest properties: so that the property's ci run
     over world sizes 1-4 takes about 5 s on the 2-core CI machine, but never fewer than 8
     examples, nor fewer than twice the examples ``mutate`` needed to catch a fault at that
-    spec; the suite states the measured time an example next to its ``costly``."""
+    spec; a property whose ci run took 5-8 s at the full budget and where ``mutate`` catches
+    no fault, or one within 3 examples, takes half (``costly(2)``). The suite states the
+    measured time an example next to its ``costly``."""
     check_int("cost", cost)
     budget = settings.default.max_examples if settings.default else 100
     return settings(deadline=None, max_examples=max(2, budget // cost))

@@ -110,7 +110,7 @@ def test_unique_parameters_become_chunked_dtensors(world: World, data: st.DataOb
 
 
 @pytest.mark.spec("fsdp_init.ties.survive_training")
-@PROPERTY
+@costly(2)  # 18 ms an example at world size 4
 @given(data=st.data())
 def test_ties_survive_fully_shard_and_steps(world: World, data: st.DataObject) -> None:
     case = data.draw(graph_cases(world.world_size, train=True), label="case")
@@ -232,7 +232,7 @@ def test_module_shared_across_groups_is_refused(world: World, data: st.DataObjec
 
 
 @pytest.mark.spec("fsdp_init.meta.materialize")
-@PROPERTY
+@costly(2)  # 20 ms an example at world size 4
 @given(data=st.data())
 def test_meta_init_to_empty_reset_and_train(world: World, data: st.DataObject) -> None:
     case = data.draw(graph_cases(world.world_size, meta=True, train=True), label="case")
@@ -295,7 +295,7 @@ def _torch_init_views(world: World, case: TorchInitCase) -> list[torch_init.Init
 
 
 @pytest.mark.spec("fsdp_init.meta.torch_init")
-@PROPERTY
+@costly(2)  # 20 ms an example at world size 4
 @given(data=st.data())
 def test_torch_reset_parameters_on_sharded_params(world: World, data: st.DataObject) -> None:
     case = data.draw(torch_init_cases(world.world_size), label="case")
@@ -380,7 +380,7 @@ def test_distribute_tensor_with_fsdp_placements_agrees(world: World, data: st.Da
 
 
 @pytest.mark.spec("fsdp_init.hsdp.replicas")
-@PROPERTY
+@costly(2)  # 24 ms an example at world size 4
 @given(data=st.data())
 def test_hsdp_placements_and_broadcast_across_replicas(world: World, data: st.DataObject) -> None:
     case = data.draw(mesh_mlp_cases(world.world_size, kind="hsdp"), label="case")
@@ -402,7 +402,7 @@ def test_hsdp_placements_and_broadcast_across_replicas(world: World, data: st.Da
 
 
 @pytest.mark.spec("fsdp_init.mesh.from_group")
-@PROPERTY
+@costly(2)  # 25 ms an example at world size 4
 @given(data=st.data())
 def test_from_group_mesh_trains_like_init_device_mesh(world: World, data: st.DataObject) -> None:
     hsdp = data.draw(st.booleans(), label="2-D HSDP (else 1-D dp of a (dp, tp) mesh)")

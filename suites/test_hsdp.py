@@ -140,7 +140,7 @@ def _check_collectives(world: World, case: HSDPCase) -> None:
 
 
 @pytest.mark.spec("hsdp.fsdp1.collectives")
-@PROPERTY
+@costly(2)  # 17 ms an example at world size 4
 @given(data=st.data())
 def test_fsdp1_step_issues_the_expected_collectives(world: World, data: st.DataObject) -> None:
     _check_collectives(world, _draw(world, data, "fsdp1"))

@@ -311,7 +311,7 @@ STEP_TOLERANCE = {"float64": (1e-12, 1e-14), "float32": (2e-5, 1e-6)}  # (rtol, 
 
 
 @pytest.mark.spec("optim.step.matches_spec")
-@PROPERTY
+@costly(2)  # 22 ms an example at world size 4
 @given(data=st.data())
 def test_optimizer_steps_match_the_spec_model(world: World, data: st.DataObject) -> None:
     case = data.draw(

@@ -209,7 +209,7 @@ def test_partition_is_sorted_greedy(world: World, case: object) -> None:
 
 
 @pytest.mark.spec("zero.param_groups.added_later")
-@PROPERTY
+@costly(2)  # 19 ms an example at world size 4
 @given(data=st.data())
 def test_groups_up_front_added_later_and_local_agree(world: World, data: st.DataObject) -> None:
     case = _with_two_groups(
@@ -271,7 +271,7 @@ def test_ddp_zero_matches_ddp_local_optimizer(world: World, data: st.DataObject)
 
 
 @pytest.mark.spec("zero.join.uneven_inputs")
-@PROPERTY
+@costly(2)  # 32 ms an example at world size 4
 @given(data=st.data())
 def test_join_with_uneven_inputs_matches_ddp(world: World, data: st.DataObject) -> None:
     case = data.draw(join_cases(world.world_size), label="case")
@@ -295,7 +295,7 @@ def _check_overlap_case(world: World, case: OverlapCase) -> None:
 
 
 @pytest.mark.spec("zero.ddp_overlap.parity")
-@PROPERTY
+@costly(2)  # 20 ms an example at world size 4
 @given(data=st.data())
 def test_ddp_hook_stepping_zero_matches_ddp_local_sgd(world: World, data: st.DataObject) -> None:
     _check_overlap(world, False, data)
@@ -312,7 +312,7 @@ def test_ddp_hook_with_sharded_buckets_matches_ddp_local_sgd(
 
 @pytest.mark.spec("zero.ddp_overlap.shard_buckets_fitting")
 @pytest.mark.world_size(min=2)
-@PROPERTY
+@costly(2)  # 23 ms an example at world size 4
 @given(data=st.data())
 def test_sharded_buckets_that_fit_match_ddp_local_sgd(world: World, data: st.DataObject) -> None:
     _check_overlap_case(world, data.draw(fitting_overlap_cases(world.world_size), label="case"))
