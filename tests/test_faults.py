@@ -465,7 +465,7 @@ def test_the_launcher_runs_each_run_in_a_process_of_its_own(tmp_path):
     from harness.mutation import launcher
 
     common = RunConfig(suites=("placements",), world_sizes=(2,))
-    select = ["-k", "redistribute_preserves"]
+    select = ["-k", "distribute_tensor_matches_model"]
     faulty = replace(
         common,
         out=tmp_path / "faulty",
