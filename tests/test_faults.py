@@ -475,3 +475,25 @@ def test_the_launcher_runs_each_run_in_a_process_of_its_own(tmp_path):
     assert "1 unexpected outcome(s)" in (tmp_path / "faulty.txt").read_text()
     clean = replace(common, out=tmp_path / "clean")
     assert launcher.run(clean, tmp_path / "clean.txt", extra=select) == 0  # nothing leaked
+
+
+@pytest.mark.parametrize(
+    ("expectation", "unexpected"),
+    [({"status": "flaky"}, 0), ({"status": "xfail"}, 1), (None, 1)],
+)
+def test_a_clean_run_counts_an_unexpected_pass_as_its_verdict_does(
+    monkeypatch, tmp_path, expectation, unexpected
+):
+    """An expected failure that did not show is unexpected, except for a flaky deviation
+    (met by some examples only), as in the run's own verdict."""
+
+    def launch(config):
+        record = {"kind": "test", "nodeid": "p::t", "status": "xpassed", "duration": 1.0}
+        config.out.mkdir(parents=True, exist_ok=True)
+        lines = [{"kind": "header", "schema": 1}, {**record, "expectation": expectation}]
+        (config.out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        return 0, 1.0
+
+    monkeypatch.setattr(mutate, "_launch", launch)
+    clean = mutate.clean_run(CONFIG, tmp_path / "clean", ["placements"])
+    assert len(clean["unexpected"]) == unexpected

@@ -23,11 +23,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from harness import catalogue, faults, session
+from harness import catalogue, faults, session, triage
 from harness.config import RunConfig
 from harness.errors import check_int
 from harness.mutation import launcher
-from harness.results import UNEXPECTED, read_results
+from harness.results import read_results
 
 SCHEMA = 1
 CAUGHT = ("failed", "error", "timeout", "crashed", "xpassed")
@@ -112,7 +112,9 @@ def clean_run(config: RunConfig, out: Path, suites: Sequence[str]) -> dict[str, 
     """Run the suites without faults; report whether the run can anchor a score."""
     code, seconds = _launch(replace(config, out=out, suites=tuple(suites)))
     tests = _tests(out)
-    unexpected = [r for r in tests if r.get("status") in UNEXPECTED]
+    # The run's own verdict says which outcomes are unexpected (a flaky deviation that did
+    # not show, say, is not one).
+    unexpected = [r for r in tests if triage.category(r) in triage.UNEXPECTED]
     return {
         "exit_code": code,
         "seconds": round(seconds, 1),
