@@ -316,6 +316,14 @@ def test_expectations_mark_tests_and_travel_into_records(project):
     }
 
 
+def test_a_run_of_other_tests_is_not_told_of_entries_it_could_not_meet(project):
+    run = project.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--world-sizes=2", "conformance/test_demo.py::test_hangs"
+    )
+    run.assert_outcomes(skipped=1)
+    assert "matched no test" not in run.stdout.str()
+
+
 def test_an_expectation_for_an_unknown_spec_is_a_usage_error(project):
     (project.path / "expectations" / "bad.toml").write_text(
         '[[expect]]\nspec = "demo.nope"\nstatus = "skip"\nreason = "r"\nlink = "https://x.invalid"\n'
