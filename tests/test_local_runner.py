@@ -61,14 +61,16 @@ def _view_of_distributed(ctx, case):
     return view_of(distribute(ctx, case), ctx)
 
 
-def test_a_dtensor_view_is_split_per_rank_on_a_3d_mesh():
-    case = DistributeCase((4, 4, 4), (Shard(0), Replicate(), Shard(1)), (6, 9), "float32", 3)
+@pytest.mark.parametrize("mesh_shape", [(4, 4, 4), (3, 5, 7)])
+def test_a_dtensor_view_is_split_per_rank_on_a_3d_mesh(mesh_shape):
+    case = DistributeCase(mesh_shape, (Shard(0), Replicate(), Shard(1)), (6, 9), "float32", 3)
     expected = local_arrays(case.global_array(), case.mesh_shape, case.placements)
-    with open_world("local", world_size=64) as world:
+    world_size = int(np.prod(mesh_shape))
+    with open_world("local", world_size=world_size) as world:
         views = world.run(_view_of_distributed, case)
     for rank, view in enumerate(views):
         assert (view.rank, view.coord) == (rank, case.coord_of(rank))
-        assert view.mesh_ranks == tuple(range(64))
+        assert view.mesh_ranks == tuple(range(world_size))
         np.testing.assert_array_equal(view.local, expected[view.coord])
         np.testing.assert_array_equal(view.full, case.global_array())
 
