@@ -53,3 +53,18 @@ def test_each_world_runs_on_one_worker(tmp_path: Path) -> None:
     assert sorted(worlds) == [f"threads-ws{n}-cpu" for n in (1, 2, 3, 4)]
     split = {world: files for world, files in worlds.items() if len(files) != 1}
     assert not split, f"got Worlds served by several workers {split}, should be one each"
+
+
+def test_a_run_of_one_process_keeps_the_world_size_order_it_was_given(tmp_path: Path) -> None:
+    # mutate's fault runs give the sizes a fault most likely shows at first, one rank last.
+    config = RunConfig(
+        suites=("uneven",), world_sizes=(2, 4, 1), profile="dev", seed=1, workers=1, out=tmp_path
+    )
+    assert session.run(config, extra=["-k", "torch_chunk"]) == 0
+    starts = [
+        world_of(record["nodeid"])
+        for line in (tmp_path / "results.jsonl").read_text().splitlines()
+        if (record := json.loads(line)).get("kind") == "start"
+    ]
+    sizes = [world[1] for world in starts if world is not None]
+    assert list(dict.fromkeys(sizes)) == [2, 4, 1], f"got World sizes in order {sizes}"

@@ -65,7 +65,9 @@ class DistconfSession:
         self, config: pytest.Config, items: list[pytest.Item]
     ) -> None:
         collection.check_and_mark(config, items, backend=self.backend)
-        if config.getoption("distconf_schedule") == "worlds":
+        # Only where xdist hands out the tests (its workers collect them): a run of one
+        # process keeps the order of --world-sizes, which mutate's fault runs choose.
+        if config.getoption("distconf_schedule") == "worlds" and hasattr(config, "workerinput"):
             scheduling.largest_worlds_first(items)
 
     @pytest.hookimpl(trylast=True)
