@@ -153,6 +153,25 @@ def test_a_rank_spinning_in_python_is_stopped_after_its_deadline():
         assert world.run(_rank) == [0, 1]
 
 
+def test_an_interrupt_that_comes_after_the_call_returned_lets_the_rank_leave_quietly(
+    monkeypatch,
+):
+    from harness.runners.threads import _interrupt
+
+    unhandled: list[threading.ExceptHookArgs] = []
+    monkeypatch.setattr(threading, "excepthook", unhandled.append)
+    earlier = set(threading.enumerate())
+    with open_world("threads", world_size=2) as world:
+        assert world.run(_rank) == [0, 1]  # both ranks now wait in C for the next message
+        (idle,) = [
+            t for t in threading.enumerate() if t not in earlier and t.name.endswith("-rank1")
+        ]
+        _interrupt(idle)  # it shows when the rank next runs Python: the close's stop message
+    idle.join(10)
+    assert not idle.is_alive(), "the interrupted rank thread still runs after the close"
+    assert not unhandled, f"got unhandled {[type(u.exc_value) for u in unhandled]}, should be none"
+
+
 def test_a_rank_thread_cannot_use_its_own_world(world4):
     def uses_world(ctx):
         refusals = []

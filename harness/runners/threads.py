@@ -199,6 +199,13 @@ class _Generation:
             while (message := self.inboxes[rank].get()) is not _STOP:
                 call_id, fn, args = message
                 self._report(call_id, self._execute(ctx, fn, args))
+        except RankAbandoned:
+            # Raised after the call it was meant for had returned (the deadline classified the
+            # rank a moment before): the generation is retired, so the thread just leaves.
+            # Left unhandled, each such rank printed a traceback, and Python 3.11 parses the
+            # source of every frame it formats, from many threads at once, which can corrupt
+            # the interpreter's shared AST state (SystemError in the driver's next ast.parse).
+            pass
         finally:
             dist.destroy_process_group()
 
