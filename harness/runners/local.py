@@ -87,9 +87,9 @@ T = TypeVar("T")
 
 # Calls of every local World take turns: LocalTensorMode's state is process-wide.
 _turn = threading.Lock()
-# The fake default group a local World made last; another default group is not ours.
+# Held while a local World makes or destroys the default group: only groups of the fake
+# backend (LOCAL_BACKEND) are local Worlds', any other default group is not ours.
 _group_lock = threading.Lock()
-_made_group: Any = None
 # Simulation threads that never unwound from a call that overran its deadline.
 _stuck: list[threading.Thread] = []
 
@@ -250,7 +250,6 @@ class _Simulation:
     def _own_default_group(self, ctx: simulated.SimulatedContext) -> None:
         """Make this World's fake group the process's default group, if another World's
         call made its own since (that destroys this World's meshes: forget them)."""
-        global _made_group
         with _group_lock:
             current = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
             if current is not None and current is self.group:
@@ -258,8 +257,8 @@ class _Simulation:
             if current is not None:
                 # Another local World's fake group (the thread runner's thread-local world,
                 # installed and given back meanwhile, can bring an older one back) is ours.
-                if current is not _made_group and dist.get_backend() != LOCAL_BACKEND:
-                    backend = dist.get_backend()
+                backend = dist.get_backend()
+                if backend != LOCAL_BACKEND:
                     raise WorldStartError(
                         f"this process already has a default process group ({backend}); the "
                         f"{RUNNER} runner needs torch's fake group as the default group"
@@ -278,18 +277,16 @@ class _Simulation:
                     )
                 finally:
                     hooks.restore()
-            self.group = _made_group = dist.distributed_c10d._get_default_group()
+            self.group = dist.distributed_c10d._get_default_group()
             ctx.forget_meshes()
             internals.clear_dtensor_plan_caches()
 
     def _leave(self) -> None:
-        global _made_group
         with _group_lock:
             # The default group is a local World's (a fake group) or another runner's; any
             # local World's call makes its own again when it is gone.
             if dist.is_initialized() and dist.get_backend() == LOCAL_BACKEND:
                 dist.destroy_process_group()
-                _made_group = None
             self.group = None
 
     def _report(self, call_id: int, outcomes: list[RankOutcome]) -> None:
