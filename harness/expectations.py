@@ -9,20 +9,26 @@ travel into the results record.
 
 An entry pins the deviation, not the spec: its ``fingerprint`` (a regular expression) must be
 found in the failure's text, else the failure is a different one and fails the test
-(``harness.plugin.deviations``). ``torch`` is the range the deviation applies to, open-ended
-until a release fixes it; ``verified`` lists the releases on which someone saw it. On a torch
-outside ``verified`` a matching failure is a known deviation still to be verified there
-(``harness.triage``), and ``harness expectations update`` records the verification.
+(``harness.plugin.deviations``). A fingerprint any failure could hold (one found in the empty
+text, a bare ``AssertionError``, ``SystemExit: 0``, a rank failure's header, ...:
+``neutral_failures``) is refused, as are a ``link`` that is not an http(s) URL and a ``flaky``
+entry that does not say in ``flaky_because`` why the deviation shows on some draws only.
+``torch`` is the range the deviation applies to, open-ended until a release fixes it;
+``verified`` lists the releases on which someone saw it. On a torch outside ``verified`` a
+matching failure is a known deviation still to be verified there (``harness.triage``), and
+``harness expectations update`` records the verification.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -35,7 +41,7 @@ DEFAULT_DIR = Path(__file__).resolve().parent.parent / "specs" / "expectations"
 STATUSES = ("xfail", "skip", "flaky")
 _REQUIRED = ("spec", "status", "reason", "link")
 _CONDITIONS = ("torch", "runner", "device", "backend", "world_size")
-_OPTIONAL = (*_CONDITIONS, "raises", "example", "fingerprint", "verified")
+_OPTIONAL = (*_CONDITIONS, "raises", "example", "fingerprint", "verified", "flaky_because")
 _RUNS = ("xfail", "flaky")
 """Statuses whose test runs, so that its failure can be checked against the fingerprint."""
 
@@ -62,6 +68,8 @@ class Expectation:
     """Found in the text of the known failure (``failure_text``); None only for ``skip``."""
     verified: tuple[str, ...] = ()
     """The torch releases on which the deviation was seen."""
+    flaky_because: str = ""
+    """Why the deviation shows on some draws and not on others (``flaky`` only)."""
 
     def verified_on(self, torch: str) -> bool:
         """Whether the deviation was seen on this torch (its local build tag aside)."""
@@ -104,6 +112,7 @@ class Expectation:
             "fingerprint": self.fingerprint.pattern if self.fingerprint else None,
             "verified": list(self.verified),
             "verified_here": self.verified_on(torch),
+            **({"flaky_because": self.flaky_because} if self.flaky_because else {}),
         }
 
     def seen(self, torch: str) -> str:
@@ -146,7 +155,7 @@ def _parse(entry: Mapping[str, Any], source: str) -> Expectation:
             spec=entry["spec"],
             status=entry["status"],
             reason=entry["reason"],
-            link=entry["link"],
+            link=_link(entry["link"]),
             source=source,
             torch=_specifier(entry.get("torch")),
             runner=_strings(entry, "runner"),
@@ -157,6 +166,7 @@ def _parse(entry: Mapping[str, Any], source: str) -> Expectation:
             example=str(entry.get("example", "")),
             fingerprint=fingerprint,
             verified=_versions(entry),
+            flaky_because=_flaky_because(entry),
         )
 
 
@@ -175,9 +185,42 @@ def _fingerprint(entry: Mapping[str, Any]) -> re.Pattern[str] | None:
         isinstance(value, str) and value.strip() != "", "fingerprint", value, "a non-empty string"
     )
     try:
-        return re.compile(value, re.DOTALL)
+        pattern = re.compile(value, re.DOTALL)
     except re.error as exc:
         fail("fingerprint", value, f"a valid regular expression ({exc})")
+    for what, text in neutral_failures():
+        if pattern.search(text) is not None:
+            fail(
+                "fingerprint",
+                value,
+                "a regular expression found in the known failure's text and not in any "
+                f"failure's: it matches {what} ({text[:80]!r})",
+            )
+    return pattern
+
+
+def _link(value: str) -> str:
+    parts = urlsplit(value)
+    ok = parts.scheme in ("http", "https") and bool(parts.netloc) and value.split() == [value]
+    require(ok, "link", value, "an http(s) URL of the upstream issue or of the source that does it")
+    return value
+
+
+def _flaky_because(entry: Mapping[str, Any]) -> str:
+    value = entry.get("flaky_because")
+    if entry["status"] != "flaky":
+        require(
+            value is None,
+            "flaky_because",
+            value,
+            f"absent: only a 'flaky' entry says why it shows on some draws (status is "
+            f"{entry['status']!r})",
+        )
+        return ""
+    ok = isinstance(value, str) and value.strip() != ""
+    what = "why the deviation shows on some draws and not on others (status 'flaky' lets its "
+    require(ok, "flaky_because", value, f"a non-empty string saying {what}test pass)")
+    return str(value)
 
 
 def _versions(entry: Mapping[str, Any]) -> tuple[str, ...]:
@@ -250,10 +293,97 @@ def find(
 
 def failure_text(exc: BaseException) -> str:
     """The text a fingerprint is searched in: each exception of ``exc`` (the leaves of an
-    exception group) as ``Type: message``; a ``RankFailure``'s message holds every rank's."""
+    exception group) as ``Type: message``; a ``RankFailure``'s message holds every rank's.
+    An exception without a message (``exc``, or what it was raised from: a rank's, under a
+    ``RankFailure``) adds the line it was raised at, as a traceback names it, so that a bare
+    ``AssertionError`` in torch can be told from one elsewhere."""
     if isinstance(exc, BaseExceptionGroup):
         return "\n".join(failure_text(inner) for inner in exc.exceptions)
-    return f"{type(exc).__name__}: {exc}"
+    text = f"{type(exc).__name__}: {exc}"
+    for bare in (exc, exc.__cause__):
+        if bare is not None and not str(bare) and bare.__traceback__ is not None:
+            text += f"\n{type(bare).__name__} with no message, raised at:\n{_raised_at(bare)}"
+    return text
+
+
+def _raised_at(exc: BaseException) -> str:
+    last = exc.__traceback__
+    while last is not None and last.tb_next is not None:
+        last = last.tb_next
+    assert last is not None, "called for an exception with a traceback"
+    code = last.tb_frame.f_code
+    return f'  File "{code.co_filename}", line {last.tb_lineno}, in {code.co_name}'
+
+
+@functools.cache
+def neutral_failures() -> tuple[tuple[str, str], ...]:
+    """Failure texts any failure may have (and what each is): a fingerprint found in one of
+    them would take an unrelated failure, a wrong value or a rank's exit, for the deviation.
+    The rank failures are ``RankFailure``'s own texts, so that they follow its wording."""
+    from harness.runners.base import RankFailure, RankOutcome, error_outcome
+
+    def raised(exc: BaseException) -> BaseException:
+        try:
+            raise exc
+        except BaseException as caught:
+            return caught
+
+    def rank_failure(runner: str, *outcomes: RankOutcome, deadline: float | None = None) -> str:
+        failure = RankFailure(outcomes, runner=runner, device="cpu", deadline=deadline)
+        failure.__cause__ = failure.primary.exception  # as the runners raise it
+        return failure_text(failure)
+
+    stack = (
+        '  File "/site-packages/harness/runners/_rank_process.py", line 507 in execute\n'
+        '  File "/site-packages/torch/nn/modules/module.py", line 1784 in _call_impl\n'
+    )
+    bare = {
+        f"a bare {kind.__name__}": failure_text(kind())
+        for kind in (
+            AssertionError, Exception, RuntimeError, ValueError, TypeError, KeyError,
+            IndexError, AttributeError, NotImplementedError, SystemExit, KeyboardInterrupt,
+        )
+    }  # fmt: skip
+    return (
+        ("the empty text", ""),
+        *bare.items(),
+        ("SystemExit: 0", failure_text(SystemExit(0))),
+        ("SystemExit: 1", failure_text(SystemExit(1))),
+        ("pytest's assertion of two values", "AssertionError: assert 0 == 1"),
+        ("a wrong value", "AssertionError: value on rank 0: got 1, should be 2"),
+        ("a traceback", f"Traceback (most recent call last):\n{stack}AssertionError"),
+        (
+            "a rank failure of a bare AssertionError",
+            rank_failure(
+                "threads", error_outcome(0, raised(AssertionError())), RankOutcome(1, "ok")
+            ),
+        ),
+        (
+            "a rank failure of SystemExit: 0",
+            rank_failure(
+                "processes",
+                error_outcome(0, raised(SystemExit(0)), keep=False),
+                RankOutcome(1, "waiting", summary="released: rank 0 failed"),
+            ),
+        ),
+        (
+            "a rank process that exited",
+            rank_failure(
+                "processes",
+                RankOutcome(0, "crashed", summary="exited with code 1"),
+                RankOutcome(1, "waiting", summary="waiting in a collective", traceback=stack),
+            ),
+        ),
+        (
+            "a rank failure at the deadline",
+            rank_failure(
+                "processes",
+                RankOutcome(0, "timeout", summary="still running", traceback=stack),
+                RankOutcome(1, "waiting", summary="waiting in a collective", traceback=stack),
+                deadline=5.0,
+            ),
+        ),
+    )
 
 
 class ExpectationWarning(UserWarning):

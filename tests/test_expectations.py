@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import textwrap
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 
 from harness import expectations
 
 TORCH = metadata.version("torch")
+ROOT = Path(__file__).resolve().parent.parent
 
 ENTRY = """
 [[expect]]
@@ -99,6 +104,91 @@ def test_matching_honours_every_condition(tmp_path):
 def test_malformed_entries_name_file_entry_and_field(tmp_path, text, message):
     with pytest.raises(expectations.ExpectationError, match=message):
         _write(tmp_path, text)
+
+
+CATCH_ALL = [
+    "(?:)", ".*", ".", r"\w", r"[\s\S]*", "^", "x*", r"\b", "(?=A)", "Error", "Exception",
+    "AssertionError", "SystemExit", "Traceback", "rank", "failed", r"rank \d+ of \d+",
+    r"deadline of [\d.]+ s.* expired", "got .*, should be", "with no message, raised at",
+]  # fmt: skip
+"""Fingerprints any failure could hold: the empty text, a bare exception, a rank's exit, a
+rank failure's header, a hang, a wrong value."""
+
+
+@pytest.mark.parametrize("fingerprint", CATCH_ALL)
+def test_a_fingerprint_any_failure_could_hold_is_refused(tmp_path, fingerprint):
+    text = ENTRY.format(status="xfail", extra="").replace('"sums twice"', f"'{fingerprint}'")
+    with pytest.raises(expectations.ExpectationError) as refused:
+        _write(tmp_path, text)
+    assert str(refused.value).startswith(
+        f"e.toml #1: fingerprint={fingerprint!r} must be a regular expression found in the "
+        "known failure's text and not in any failure's: it matches "
+    )
+
+
+def test_a_catch_all_flaky_entry_without_a_link_is_refused(tmp_path):
+    """The probe of issue 32: a flaky entry that any failure of its spec would satisfy."""
+    probe = (
+        '[[expect]]\nspec = "demo.sum"\nstatus = "flaky"\nreason = "r"\nlink = "none"\n'
+        'fingerprint = "(?:)"\nverified = ["2.13.0"]\n'
+    )
+    with pytest.raises(expectations.ExpectationError, match=r"e\.toml #1: fingerprint='\(\?:\)'"):
+        _write(tmp_path, probe)
+    probe = probe.replace('"(?:)"', '"sums twice"')
+    with pytest.raises(expectations.ExpectationError, match=r"e\.toml #1: link='none' must be an"):
+        _write(tmp_path, probe)
+    probe = probe.replace('"none"', '"https://example.invalid/1"')
+    with pytest.raises(expectations.ExpectationError, match=r"e\.toml #1: flaky_because=None must"):
+        _write(tmp_path, probe)
+    (entry,) = _write(tmp_path, probe + 'flaky_because = "only large meshes meet it"\n')
+    assert entry.as_record(TORCH)["flaky_because"] == "only large meshes meet it"
+
+
+@pytest.mark.parametrize(
+    "link", ["none", "ftp://example.invalid/1", "https://", "example.invalid/1", "https://a b"]
+)
+def test_a_link_must_be_an_http_url(tmp_path, link):
+    text = ENTRY.format(status="xfail", extra="").replace("https://example.invalid/issue/1", link)
+    with pytest.raises(expectations.ExpectationError, match=f"link={link!r} must be an http"):
+        _write(tmp_path, text)
+
+
+def test_only_a_flaky_entry_says_why_it_is_flaky(tmp_path):
+    text = ENTRY.format(status="xfail", extra='flaky_because = "some draws"')
+    with pytest.raises(expectations.ExpectationError, match="flaky_because='some draws' must be"):
+        _write(tmp_path, text)
+    (tmp_path / "e.toml").unlink()
+    with pytest.raises(expectations.ExpectationError, match="flaky_because='  ' must be a non-em"):
+        _write(tmp_path, ENTRY.format(status="flaky", extra='flaky_because = "  "'))
+
+
+def _bare_assertion_in(filename: str) -> BaseException:
+    """A rank failure of a bare AssertionError raised in ``_shard_tensor`` of ``filename``, as
+    the thread runner raises it (the rank's exception kept as the cause)."""
+    from harness.runners.base import error_outcome, settle
+
+    namespace: dict[str, object] = {}
+    source = "def _shard_tensor():\n    raise AssertionError\n"
+    exec(compile(source, filename, "exec"), namespace)
+    try:
+        namespace["_shard_tensor"]()  # type: ignore[operator]
+    except AssertionError as exc:
+        outcomes = [error_outcome(0, exc), error_outcome(1, exc)]
+    try:
+        settle(outcomes, runner="threads", device="cpu")
+    except BaseException as failure:
+        return failure
+    raise AssertionError("settle raised nothing")
+
+
+def test_a_bare_assertion_is_told_by_where_it_was_raised():
+    (entry,) = [e for e in expectations.load() if e.spec == "state_dict.full.uneven_strided"]
+    torch = "/site-packages/torch/distributed/tensor/placement_types.py"
+    in_torch = expectations.failure_text(_bare_assertion_in(torch))
+    assert f'AssertionError with no message, raised at:\n  File "{torch}", line 2,' in in_torch
+    assert entry.recognises(in_torch)
+    elsewhere = expectations.failure_text(_bare_assertion_in("/suites/checks/state_dict.py"))
+    assert not entry.recognises(elsewhere)
 
 
 def test_a_skip_needs_no_fingerprint_and_a_fingerprint_pins_the_failure(tmp_path):
@@ -194,15 +284,16 @@ spec = "demo.passes"
 status = "xfail"
 reason = "was broken in an older torch"
 link = "https://example.invalid/2"
-fingerprint = "."
+fingerprint = "sums twice"
 verified = ["{torch}"]
 
 [[expect]]
 spec = "demo.flaky"
 status = "flaky"
 reason = "sometimes"
+flaky_because = "only some examples meet it"
 link = "https://example.invalid/3"
-fingerprint = "."
+fingerprint = "sums twice"
 verified = ["{torch}"]
 
 [[expect]]
@@ -218,7 +309,7 @@ status = "xfail"
 reason = "shows as an AssertionError"
 link = "https://example.invalid/5"
 raises = ["AssertionError"]
-fingerprint = "."
+fingerprint = "a harness bug"
 verified = ["{torch}"]
 
 [[expect]]
@@ -227,7 +318,7 @@ status = "xfail"
 reason = "only on a runner that does not run here"
 link = "https://example.invalid/6"
 runner = ["processes"]
-fingerprint = "."
+fingerprint = "sums twice"
 verified = ["{torch}"]
 
 [[expect]]
@@ -381,3 +472,35 @@ def test_a_known_deviation_is_not_shrunk_and_a_real_failure_is(pytester):
     assert known["examples"] <= known["examples_to_failure"] + 2
     assert real["examples"] > real["examples_to_failure"] + 2
     assert "x=1000" in real["falsifying_example"]
+
+
+PROBE = """
+[[expect]]
+spec = "placements.distribute.roundtrip"
+status = "flaky"
+reason = "any failure"
+link = "none"
+fingerprint = "(?:)"
+verified = ["{torch}"]
+"""
+"""Issue 32's probe: a flaky entry any failure of its spec would satisfy, with no link."""
+
+
+def test_a_run_with_a_catch_all_expectation_is_refused_before_any_test(tmp_path):
+    directory = tmp_path / "expectations"
+    directory.mkdir()
+    (directory / "probe.toml").write_text(PROBE.replace("{torch}", TORCH))
+    out = tmp_path / "out"
+    command = [
+        sys.executable, "-m", "harness", "run", "--suite", "placements", "--world-sizes", "2",
+        "--profile", "dev", "--seed", "1", "--jobs", "1", "--out", str(out), "--",
+        "-k", "test_distribute_tensor_matches_model", "-o", f"distconf_expectations={directory}",
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 4, output[-3000:]
+    assert "probe.toml #1: fingerprint='(?:)' must be a regular expression found in" in output
+    assert not list(out.glob("results*.jsonl")), "a test ran"

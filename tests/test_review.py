@@ -44,7 +44,7 @@ status = "xfail"
 reason = "gone long ago"
 link = "https://example.invalid/4"
 torch = "<2.10"
-fingerprint = "."
+fingerprint = "gone"
 verified = ["2.9.0"]
 """
 
@@ -184,3 +184,14 @@ def test_the_command_refuses_bad_input_before_touching_anything(tmp_path, known,
     code = cli.main(["expectations", "check", str(run), str(other), "--expectations", str(known)])
     assert code == cli.USAGE_ERROR
     assert "must be the results of one torch release" in capsys.readouterr().err
+
+
+def test_check_refuses_a_catch_all_expectation(tmp_path, known, capsys):
+    (known / "probe.toml").write_text(
+        '[[expect]]\nspec = "demo.new"\nstatus = "flaky"\nreason = "any failure"\n'
+        'link = "none"\nfingerprint = "(?:)"\nverified = ["2.15.0"]\n'
+    )
+    code = cli.main(["expectations", "check", str(_run(tmp_path)), "--expectations", str(known)])
+    assert code == cli.USAGE_ERROR
+    err = capsys.readouterr().err
+    assert "error: probe.toml #1: fingerprint='(?:)' must be a regular expression found in" in err

@@ -54,6 +54,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "world_size(*sizes, min=None, max=None): world sizes this test can run at",
     )
     run = options.run_config(config)
+    collection.check_expectations(config)
     _inject_faults(config, run)
     config.pluginmanager.register(DistconfSession(config, run), dsession.NAME)
     if run.cheap_first:

@@ -138,6 +138,19 @@ def _is_suite_item(item: pytest.Item, suites: Path) -> bool:
     return isinstance(item, pytest.Function) and item.path.resolve().is_relative_to(suites)
 
 
+def check_expectations(config: pytest.Config) -> None:
+    """A known-deviation file that does not load is a usage error at configure time, before
+    the session starts: no results file is opened and no World is started. A directory that
+    is not there is left to ``check_and_mark``: only a run of the suites needs one."""
+    directory = options.expectations_dir(config)
+    if not directory.is_dir():
+        return
+    try:
+        expectations.load(directory)
+    except expectations.ExpectationError as exc:
+        raise pytest.UsageError(f"distconf: {exc}") from None
+
+
 def check_and_mark(config: pytest.Config, items: list[pytest.Item], *, backend: str) -> None:
     """For the suites among ``items``: every test carries one known spec ID and every active
     spec is covered (else a usage error), and known deviations mark their tests (``backend``:
