@@ -9,17 +9,20 @@ expectation whose deviation the run saw and did not see otherwise (``unverified`
 only, no ``different`` or ``fixed`` one); ``--fixed`` closes the ``torch`` range below the
 run's release for each expectation whose every test passed. Files are edited line by line,
 so their comments and layout stay; every change is checked (the edited file must load and
-say what was meant) before any file is written.
+say what was meant) before any file is written, and the files are written all or none
+(``write_together``: a full disk leaves every file as it was).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 import tempfile
 import tomllib
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -179,9 +182,54 @@ def update(
     elif dry_run:
         print("(dry run: no file written)")
     else:
-        for name, text in texts.items():
-            (directory / name).write_text(text, encoding="utf-8")
+        write_together(directory, texts)
     return 0
+
+
+def write_together(directory: Path, texts: dict[str, str]) -> None:
+    """Write every file of ``texts`` or none: each goes to a temporary file beside it first
+    (where a full disk fails), and only when all are written are they renamed over the files
+    (a rename in one directory needs no space); a failure removes the temporaries."""
+    written: dict[Path, Path] = {}
+    try:
+        for name, text in texts.items():
+            written[directory / name] = _temporary_beside(directory / name, text)
+    except OSError as exc:
+        _remove(written.values())
+        raise ExpectationError(
+            f"writing {name} in {directory} failed ({exc}): no expectation file was changed"
+        ) from None
+    replaced: list[str] = []
+    try:
+        for target, temporary in written.items():
+            os.replace(temporary, target)
+            replaced.append(target.name)
+    except OSError as exc:
+        _remove(written.values())
+        raise ExpectationError(
+            f"renaming the new {target.name} over the old in {directory} failed ({exc}): "
+            f"{replaced or 'no file'} written, the others left as they were"
+        ) from None
+
+
+def _temporary_beside(target: Path, text: str) -> Path:
+    """``text`` in a new file beside ``target`` with its permissions, on disk."""
+    handle, made = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.chmod(made, stat.S_IMODE(target.stat().st_mode))
+    except OSError:
+        Path(made).unlink(missing_ok=True)
+        raise
+    return Path(made)
+
+
+def _remove(paths: Iterable[Path]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
 
 
 def _edited(directory: Path, edits: Sequence[Edit]) -> dict[str, str]:

@@ -3,7 +3,12 @@ recording a review in the expectation files, comments and layout kept."""
 
 from __future__ import annotations
 
+import errno
+import io
+import os
 import tomllib
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -195,3 +200,86 @@ def test_check_refuses_a_catch_all_expectation(tmp_path, known, capsys):
     assert code == cli.USAGE_ERROR
     err = capsys.readouterr().err
     assert "error: probe.toml #1: fingerprint='(?:)' must be a regular expression found in" in err
+
+
+def _seen_in_two_files(tmp_path):
+    """Expectations in two files, and a run that saw both deviations on a torch neither was
+    verified on: ``update --verified`` edits both files."""
+    directory = tmp_path / "expectations"
+    directory.mkdir()
+    for name in ("first", "second"):
+        entry = KNOWN.split("[[expect]]")[1].replace("demo.still", f"demo.{name}")
+        (directory / f"{name}.toml").write_text(f"# {name}\n[[expect]]{entry}")
+    out = tmp_path / "run"
+    writer = ResultsWriter(out / "results.jsonl", {**environment_stamp(), "torch": "2.15.0"})
+    for number, name in enumerate(("first", "second")):
+        writer.write_test(
+            TestRecord(
+                nodeid=f"t.py::test_{number}", spec=f"demo.{name}", runner="threads",
+                world_size=2, device="cpu", status="xfailed", duration=0.1,
+                expectation=_expectation(f"{name}.toml #1"),
+            )
+        )  # fmt: skip
+    writer.close(exitstatus=0)
+    return directory, out
+
+
+class _DiskFull:
+    """A text file on a disk that fills up: half of the first write lands, then ENOSPC."""
+
+    def __init__(self, file: Any) -> None:
+        self.file = file
+
+    def write(self, text: str) -> int:
+        self.file.write(text[: len(text) // 2])
+        self.file.flush()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __enter__(self) -> _DiskFull:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.file.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.file, name)
+
+
+def _fill_the_disk_after_one_file(monkeypatch, directory):
+    """Every file opened for writing in ``directory`` after the first is on a full disk
+    (``io.open`` is what ``Path.write_text`` and ``os.fdopen`` open files with)."""
+    real_open = io.open
+    opened: list[object] = []
+
+    def in_directory(file: object) -> bool:
+        if isinstance(file, int):
+            inode = os.fstat(file).st_ino
+            return any(p.stat().st_ino == inode for p in directory.iterdir())
+        return Path(str(file)).resolve().parent == directory.resolve()
+
+    def open_(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        handle = real_open(file, mode, *args, **kwargs)
+        if not set(mode) & set("wax+") or not in_directory(file):
+            return handle
+        opened.append(file)
+        return handle if len(opened) == 1 else _DiskFull(handle)
+
+    monkeypatch.setattr(io, "open", open_)
+    return opened
+
+
+def test_an_update_that_runs_out_of_disk_changes_no_file(tmp_path, monkeypatch, capsys):
+    directory, run = _seen_in_two_files(tmp_path)
+    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+    opened = _fill_the_disk_after_one_file(monkeypatch, directory)
+    command = ["expectations", "update", str(run), "--verified", "--expectations", str(directory)]
+    code = cli.main(command)
+    monkeypatch.undo()
+    assert len(opened) == 2, "the update did not write both files"
+    assert code != 0
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and "no expectation file was changed" in err
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == before  # no temporary left
+    # With room on the disk, the same update writes both files.
+    assert cli.main(command) == 0
+    assert [e.verified for e in expectations.load(directory)] == [("2.13.0", "2.15.0")] * 2
