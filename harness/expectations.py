@@ -218,8 +218,8 @@ def _flaky_because(entry: Mapping[str, Any]) -> str:
         )
         return ""
     ok = isinstance(value, str) and value.strip() != ""
-    what = "why the deviation shows on some draws and not on others (status 'flaky' lets its "
-    require(ok, "flaky_because", value, f"a non-empty string saying {what}test pass)")
+    what = "why the deviation shows on some draws and not on others (a 'flaky' test may pass)"
+    require(ok, "flaky_because", value, f"a non-empty string saying {what}")
     return str(value)
 
 
