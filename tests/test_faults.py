@@ -4,6 +4,8 @@ target is gone, reach rank processes; detection is read off the results records.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import textwrap
 from dataclasses import replace
@@ -178,6 +180,9 @@ def test_a_fault_file_adds_its_faults_once_and_activate_exports_it(fault_file, v
     [
         ("FAULTS = 3", "must define FAULTS as a tuple of harness.faults.Fault; got int"),
         ("raise ImportError('boom')", "failed to import: ImportError"),
+        ("import sys\nsys.exit(0)", r"failed to import: SystemExit\(0\)"),
+        ("raise GeneratorExit", "failed to import: GeneratorExit"),
+        ("class Stop(BaseException): pass\nraise Stop()", "failed to import: Stop"),
         (
             FAULT_FILE.replace("own.doubled", "dtensor.partial_avg_as_sum"),
             r"ids=\['dtensor.partial_avg_as_sum'\] are already in the catalogue",
@@ -191,6 +196,31 @@ def test_a_bad_fault_file_is_named_with_what_is_wrong(tmp_path, victim, text, me
         faults.load_files([path])
     with pytest.raises(FaultError, match="does not exist"):
         faults.load_files([tmp_path / "missing.py"])
+
+
+def test_a_ctrl_c_while_a_fault_file_imports_stays_an_interrupt(tmp_path):
+    path = tmp_path / "interrupted_faults.py"
+    path.write_text("raise KeyboardInterrupt")
+    with pytest.raises(KeyboardInterrupt):
+        faults.load_files([path])
+
+
+def test_mutate_refuses_a_fault_file_that_exits_on_import_naming_it(tmp_path):
+    """``sys.exit(0)`` in a fault file is a usage error naming the file, never "every fault
+    caught" (exit 0) before anything ran."""
+    path = tmp_path / "exits.py"
+    path.write_text("import sys\nsys.exit(0)\n")
+    command = [sys.executable, "-m", "harness", "mutate", "--fault-file", str(path), "--jobs",
+               "1", "--out", str(tmp_path / "out")]  # fmt: skip
+    done = subprocess.run(
+        command, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+    )  # fmt: skip
+    assert done.returncode == 4, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"error: --fault-file: fault file {str(path)!r} failed to import: SystemExit(0)" in (
+        done.stderr
+    )
+    assert not (tmp_path / "out").exists()
 
 
 RANK_PROBE = """
