@@ -319,16 +319,10 @@ def test_detection_time_is_the_earlier_tests_plus_the_time_to_the_first_failing_
             falsifying_example="case=X",
         ),
     ]
-    mutate._note_detection(result, tests)
+    mutate._note_detection(result, tests, [tests[2]])
     assert (result.caught, result.test, result.specs) == (True, "t3", ["s.three"])
     assert (result.seconds_to_detect, result.examples_to_detect) == (3.5, 7)
     assert result.counterexample == "case=X"
-
-
-def test_nothing_failing_means_the_fault_survived():
-    result = mutate.FaultResult(fault="f", area="a", bug_class="b", summary="s", caught=False)
-    mutate._note_detection(result, [_record("t1", "passed", 1.0), _record("t2", "skipped", 0)])
-    assert not result.caught and result.seconds_to_detect is None
 
 
 def test_fault_runs_take_one_rank_last():
@@ -357,10 +351,8 @@ def _fake_launch(monkeypatch, statuses_by_suite):
             {"kind": "test", "nodeid": f"{s}::t", "status": statuses_by_suite[s], "duration": 1.0}
             for s in suites
         ]
-        with (out / "results.jsonl").open("w") as handle:
-            handle.write(json.dumps({"kind": "header", "schema": 1}) + "\n")
-            for record in records:
-                handle.write(json.dumps(record) + "\n")
+        lines = [{"kind": "header", "schema": 1}, *records, {"kind": "end", "exitstatus": 1}]
+        (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
         return 1, 2.0
 
     monkeypatch.setattr(mutate, "_launch", launch)
@@ -393,6 +385,7 @@ def _fake_runs(monkeypatch, failing_suites=()):
         unexpected = [f"{suites[0]}::t: failed"] if failed else []
         return {
             "exit_code": int(failed),
+            "verdict": "fail" if failed else "pass",
             "seconds": 1.0,
             "tests": 1,
             "unexpected": unexpected,
@@ -433,7 +426,7 @@ def test_a_failing_clean_suite_voids_the_score_and_later_fault_runs_do_not_start
     ran = _fake_runs(monkeypatch, failing_suites=("uneven",))
     result = mutate.mutate(replace(CONFIG, out=tmp_path), TWO_FAULTS, jobs=1)
     assert sorted(ran) == ["clean:placements", "clean:uneven"]  # and no fault run
-    assert result.void and "1 unexpected outcome(s)" in result.void
+    assert result.void and "verdict fail, exit code 1, 1 unexpected outcome(s)" in result.void
     assert [r.problem for r in result.results] == [
         "not run: a clean suite run failed before this fault's run"
     ] * 2
