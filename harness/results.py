@@ -16,8 +16,11 @@ A results file is one JSON object per line, each with a ``kind``:
   (pytest's) and, when the session was interrupted, ``interrupted`` (why).
 
 Every record is flushed as it is written, so a run that is interrupted or crashes keeps every
-record written before; a missing ``end`` record tells the reader so. ``run_verdict`` is the
-one reading of a run's files: passed, failed, interrupted, crashed, partial or nothing ran.
+record written before; a missing ``end`` record tells the reader so. ``read_results`` is the
+one reader of a file, and ``harness.verdict.of_results`` the one reading of a run's files:
+passed, failed, interrupted, crashed, partial or nothing ran. A file whose header names a
+schema this distconf does not read (``READS``), or that has no header, is read all the same
+and says so (``Results.schema_problem``): its verdict is partial, never green.
 """
 
 from __future__ import annotations
@@ -33,13 +36,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, TextIO
 
-from harness import triage
 from harness.errors import DistconfError, check_one_of
 
 SCHEMA = 2
 """2 added ``start`` records and the end record's ``interrupted``; 1 is read as well."""
+READS = (1, 2)
+"""The schemas this distconf reads."""
 STATUSES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed", "timeout", "crashed")
-UNEXPECTED = ("failed", "error", "xpassed", "timeout", "crashed")
 SEVERITY = ("crashed", "timeout", "error", "failed", "xpassed", "xfailed", "skipped", "passed")
 """Worst first."""
 TITLES = {
@@ -53,12 +56,6 @@ TITLES = {
     "crashed": "crashed",
 }
 """The words for each status."""
-
-
-def is_unexpected(record: dict[str, Any]) -> bool:
-    """Whether a test record needs a person: a failure, or a pass where a deviation was
-    expected (except for deviations known to be flaky, which may pass)."""
-    return triage.category(record) in triage.UNEXPECTED
 
 
 _TEXT_LIMIT = 20_000
@@ -237,6 +234,18 @@ class Results:
         """Tests that started but recorded no outcome: the session died while running them."""
         finished = {record.get("nodeid") for record in self.tests}
         return [nodeid for nodeid in self.started if nodeid not in finished]
+
+    @property
+    def schema_problem(self) -> str | None:
+        """Why this distconf's reading of the file may not be what it means (no header, or a
+        schema it does not read), or None."""
+        if self.header is None:
+            return "no header record, so its schema is unknown"
+        schema = self.header.get("schema")
+        if type(schema) is not int or schema not in READS:
+            known = ", ".join(map(str, READS))
+            return f"schema={schema!r} is not one this distconf reads ({known})"
+        return None
 
 
 def read_results(path: Path) -> Results:

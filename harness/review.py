@@ -61,6 +61,13 @@ def read_run(paths: Sequence[Path]) -> Run:
             )
         files += found
     read: list[Results] = [read_results(f) for f in files]
+    pairs = zip(files, read, strict=True)
+    misread = [f"{str(f)!r}: {r.schema_problem}" for f, r in pairs if r.schema_problem]
+    if misread:
+        raise ReportError(
+            f"RESULTS={[str(p) for p in paths]!r} must be results this distconf reads: "
+            + "; ".join(misread)
+        )
     versions = triage.releases(r.header for r in read)
     if len(versions) != 1:
         raise ReportError(

@@ -21,7 +21,7 @@ from harness import catalogue, forked, junit, triage, verdict
 from harness.config import RunConfig, suite_paths
 from harness.errors import ReportError
 from harness.profiles import needs_seed
-from harness.results import UNEXPECTED, is_unexpected, read_results
+from harness.results import SEVERITY, read_results
 from harness.verdict import RunVerdict
 
 RESULTS = "results.jsonl"
@@ -201,9 +201,7 @@ def summarise(paths: list[Path]) -> RunVerdict:
         cells, examples, seconds = [], 0, 0.0
         for size in sizes:
             records = rows[spec].get(size, [])
-            statuses = sorted(
-                {r["status"] for r in records}, key=lambda s: (s not in UNEXPECTED, s)
-            )
+            statuses = sorted({str(r.get("status")) for r in records}, key=_worst_first)
             examples += sum(r.get("examples") or 0 for r in records)
             seconds += sum(r.get("duration") or 0.0 for r in records)
             cells.append("+".join(statuses) or "-")
@@ -213,9 +211,15 @@ def summarise(paths: list[Path]) -> RunVerdict:
             print(f"warning: unreadable lines in {path}: {results.bad_lines}")
         if results.end is None:
             print(f"warning: {path} has no end record: the run did not finish, results are partial")
-    unexpected = sum(map(is_unexpected, tests))
+        if results.schema_problem:
+            print(f"warning: {path}: {results.schema_problem}: its records may mean otherwise")
+    unexpected = sum(map(verdict.is_unexpected, tests))
     print(f"{unexpected} unexpected outcome(s)")
     _print_triage(read, tests)
     judged = verdict.of_results([(str(path), results) for path, results in read.items()])
     print(f"verdict: {judged.kind}: {judged.text}")
     return judged
+
+
+def _worst_first(status: str) -> int:
+    return SEVERITY.index(status) if status in SEVERITY else -1

@@ -9,7 +9,12 @@ kind            exit  when
 ==============  ====  ========================================================================
 ``interrupted``    2  a session ended by an interrupt (Ctrl-C, SIGINT, a collection error)
 ``crashed``        3  a results file has no end record: its process died (``os._exit``, a
-                      signal, memory); the tests it was running are named
+                      signal, memory); the tests it was running are named. Or its session
+                      did not run to its end: pytest's exit status is none of those of a
+                      session that did (``RAN_TO_ITS_END``: OK, TESTS_FAILED,
+                      NO_TESTS_COLLECTED), as after an INTERNALERROR or a usage error
+``partial``        3  a results file has no header or a schema this distconf does not read
+                      (``harness.results.READS``): its records may mean otherwise
 ``fail``           1  a test failed where no deviation is known (``harness.triage``: new)
 ``changed``        6  a spec with a known deviation failed otherwise than the deviation does
 ``fixed``          7  a known deviation did not happen: its expectation must be updated
@@ -20,17 +25,23 @@ kind            exit  when
 ``empty``          5  nothing was checked: no test recorded an outcome, or every test skipped
 ``pass``           0  all conformant, or known deviations verified on this torch
 ==============  ====  ========================================================================
+
+``of_results`` is the one function that reads a run so: the summary of ``harness run``, its
+report and JUnit XML, ``mutate``'s clean and fault runs and ``bench`` all take its verdict.
+Besides the kind, it says what was caught: each test whose outcome is unexpected
+(``is_unexpected``: a ``harness.triage`` category of new, different or fixed; a flaky
+deviation that did not show is none), and each test that started and recorded no outcome.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from harness import triage
-from harness.results import SEVERITY, TITLES, Results
+from harness.results import SEVERITY, STATUSES, TITLES, Results
 
 EXIT_CODES = {
     "pass": 0,
@@ -47,6 +58,23 @@ Outcome = tuple[str, str | None]
 """A test's status and its ``harness.triage`` category."""
 INTERRUPTED_EXIT_STATUS = 2
 """pytest's ``ExitCode.INTERRUPTED``, as the end record keeps it."""
+PYTEST_EXIT_STATUSES = {
+    0: "OK",
+    1: "TESTS_FAILED",
+    2: "INTERRUPTED",
+    3: "INTERNAL_ERROR",
+    4: "USAGE_ERROR",
+    5: "NO_TESTS_COLLECTED",
+}
+"""pytest's ``ExitCode`` names."""
+RAN_TO_ITS_END = (0, 1, 5)
+"""The exit statuses of a session that ran to its end (its records say the rest): OK,
+TESTS_FAILED, NO_TESTS_COLLECTED. Any other (an INTERNALERROR, a usage error once the
+session started, a status pytest does not have) ended it early; INTERRUPTED is its own kind."""
+_ENDED_HOW = {
+    3: "pytest stopped with an internal error",
+    4: "pytest stopped with a usage error",
+}
 
 
 @dataclass(frozen=True)
@@ -54,13 +82,21 @@ class FileState:
     """What a results file says about how its session ended."""
 
     path: str
-    end: dict[str, Any] | None
+    end: Mapping[str, Any] | None
     unfinished: tuple[str, ...]
     bad_lines: int
+    schema_problem: str | None = None
+    """``Results.schema_problem``: why its records may mean otherwise."""
 
     @classmethod
     def of(cls, path: str, results: Results) -> FileState:
-        return cls(path, results.end, tuple(results.unfinished), len(results.bad_lines))
+        return cls(
+            path,
+            results.end,
+            tuple(results.unfinished),
+            len(results.bad_lines),
+            results.schema_problem,
+        )
 
     @property
     def interrupted(self) -> bool:
@@ -69,12 +105,31 @@ class FileState:
             or bool(self.end.get("interrupted"))
         )
 
+    @property
+    def cut_short(self) -> str | None:
+        """How a session that wrote its end record still did not run to its end (its exit
+        status), or None: it ran to its end, was interrupted, or wrote no end record."""
+        if self.end is None or self.interrupted:
+            return None
+        status = self.end.get("exitstatus")
+        if type(status) is int and status in RAN_TO_ITS_END:
+            return None
+        if type(status) is not int:
+            return f"its end record holds no pytest exit status ({status!r})"
+        name = PYTEST_EXIT_STATUSES.get(status, "not one of pytest's")
+        how = _ENDED_HOW.get(status, "pytest ended the session")
+        return f"{how} (exit status {status}, {name})"
+
 
 @dataclass(frozen=True)
 class RunVerdict:
     kind: str
     headline: str
     details: tuple[str, ...]
+    caught: tuple[Mapping[str, Any], ...] = ()
+    """What the run caught, in the order its files hold them: each test record whose outcome
+    is unexpected, then (as a ``crashed`` record of its node ID) each test that started and
+    recorded no outcome. Empty for a clean run."""
 
     @property
     def exit_code(self) -> int:
@@ -84,68 +139,133 @@ class RunVerdict:
     def text(self) -> str:
         return " · ".join((self.headline, *self.details))
 
+    @property
+    def clean(self) -> bool:
+        """Green: it finished, checked something and found nothing to look at."""
+        return self.kind == "pass"
+
+    @property
+    def finished(self) -> bool:
+        """Every session of the run ran to its end, and its files were read whole."""
+        return self.kind not in ("interrupted", "crashed", "partial")
+
+
+def outcome(record: Mapping[str, Any]) -> Outcome:
+    """A test record's status (one distconf does not write counts as an ``error``) and its
+    ``harness.triage`` category."""
+    status = record.get("status")
+    if status not in STATUSES:
+        return "error", triage.category({**record, "status": "error"})
+    return str(status), triage.category(record)
+
+
+def is_unexpected(record: Mapping[str, Any]) -> bool:
+    """Whether a test record is an unexpected outcome, one a person must look at: a failure,
+    or a pass where a deviation was expected (except a flaky one, which may pass)."""
+    return outcome(record)[1] in triage.UNEXPECTED
+
 
 def of_results(files: Sequence[tuple[str, Results]]) -> RunVerdict:
-    """The verdict on raw results files (path, contents)."""
+    """The verdict on raw results files (path, contents), with what the run caught."""
     states = [FileState.of(path, results) for path, results in files]
-    outcomes = [
-        (str(record.get("status")), triage.category(record))
-        for _, results in files
-        for record in results.tests
-    ]
-    return run_verdict(states, outcomes)
+    outcomes = [outcome(record) for _, results in files for record in results.tests]
+    caught: list[Mapping[str, Any]] = []
+    for path, results in files:
+        caught += [record for record in results.tests if is_unexpected(record)]
+        caught += [_no_outcome(nodeid, path) for nodeid in results.unfinished]
+    judged = run_verdict(states, outcomes)
+    return RunVerdict(judged.kind, judged.headline, judged.details, tuple(caught))
+
+
+def _no_outcome(nodeid: str, path: str) -> dict[str, Any]:
+    return {
+        "kind": "test",
+        "nodeid": nodeid,
+        "status": "crashed",
+        "error": f"started and recorded no outcome in {path}: the session ended while it ran",
+    }
 
 
 def run_verdict(files: Sequence[FileState], outcomes: Sequence[Outcome]) -> RunVerdict:
     """The verdict on a run: its files' states and each test's (status, triage category)."""
     details = tuple(_problems(outcomes) + _tally(outcomes))
+    found = Counter(category for _, category in outcomes if category is not None)
+    kind, headline = (
+        _not_to_its_end(files)
+        or _unexpected(found)
+        or _incomplete(files)
+        or _settled(found, outcomes)
+    )
+    return RunVerdict(kind, headline, details)
+
+
+def _not_to_its_end(files: Sequence[FileState]) -> tuple[str, str] | None:
+    """Interrupted, crashed, or files whose records may mean otherwise: what their records
+    say does not decide the verdict."""
     interrupted = [f for f in files if f.interrupted]
     if interrupted:
         why = "; ".join(
             dict.fromkeys(str(f.end.get("interrupted") or "") for f in interrupted if f.end)
         )
-        headline = f"Interrupted{f' ({why})' if why.strip('; ') else ''}: the run did not finish"
-        return RunVerdict("interrupted", headline, details)
-    crashed = [f for f in files if f.end is None]
+        return "interrupted", (
+            f"Interrupted{f' ({why})' if why.strip('; ') else ''}: the run did not finish"
+        )
+    crashed = [f for f in files if f.end is None or f.cut_short]
     if crashed:
-        return RunVerdict("crashed", _crash_headline(crashed), details)
-    found = Counter(category for _, category in outcomes if category is not None)
+        return "crashed", _crash_headline(crashed)
+    misread = [f"{f.path}: {f.schema_problem}" for f in files if f.schema_problem]
+    if misread:
+        return "partial", f"Records that may mean otherwise: {'; '.join(misread)}"
+    return None
+
+
+def _unexpected(found: Counter[str]) -> tuple[str, str] | None:
     bad = sum(found[c] for c in triage.UNEXPECTED)
     unexpected = f"{bad} unexpected outcome{'s' * (bad != 1)}"
     if found["new"]:
-        return RunVerdict("fail", unexpected, details)
+        return "fail", unexpected
     if found["different"]:
-        return RunVerdict("changed", f"{unexpected}: {triage.TITLES['different']}", details)
+        return "changed", f"{unexpected}: {triage.TITLES['different']}"
     if found["fixed"]:
-        return RunVerdict("fixed", f"{unexpected}: {triage.TITLES['fixed']}", details)
+        return "fixed", f"{unexpected}: {triage.TITLES['fixed']}"
+    return None
+
+
+def _incomplete(files: Sequence[FileState]) -> tuple[str, str] | None:
     lost = [nodeid for f in files for nodeid in f.unfinished]
     if lost:
-        headline = f"{len(lost)} test(s) started and recorded no outcome: {', '.join(lost)}"
-        return RunVerdict("partial", headline, details)
+        return "partial", f"{len(lost)} test(s) started and recorded no outcome: {', '.join(lost)}"
     unreadable = sum(f.bad_lines for f in files)
     if unreadable:
-        headline = f"No unexpected outcomes, but {unreadable} record line(s) could not be read"
-        return RunVerdict("partial", headline, details)
+        return "partial", (
+            f"No unexpected outcomes, but {unreadable} record line(s) could not be read"
+        )
+    return None
+
+
+def _settled(found: Counter[str], outcomes: Sequence[Outcome]) -> tuple[str, str]:
     if found["unverified"]:
-        headline = (
+        return "unverified", (
             f"{found['unverified']} test(s) failed as known deviations do, on a torch those "
             "deviations were not verified on: review, then `harness expectations update "
             "RESULTS --verified`"
         )
-        return RunVerdict("unverified", headline, details)
     checked = sum(status != "skipped" for status, _ in outcomes)
     if not checked:
         what = f"all {len(outcomes)} tests skipped" if outcomes else "no test recorded an outcome"
-        return RunVerdict("empty", f"Nothing was checked: {what}", details)
-    return RunVerdict("pass", "All conformant", details)
+        return "empty", f"Nothing was checked: {what}"
+    return "pass", "All conformant"
 
 
 def _crash_headline(crashed: Sequence[FileState]) -> str:
     running = [nodeid for f in crashed for nodeid in f.unfinished]
-    files = ", ".join(f.path for f in crashed)
+    died = [f.path for f in crashed if f.end is None]
+    why = [f"no end record in {', '.join(died)}"] if died else []
+    why += [f"{f.cut_short} in {f.path}" for f in crashed if f.cut_short]
     if running:
-        return f"Crashed while running {', '.join(running)} (no end record in {files})"
-    return f"Crashed: no end record in {files}; the session died between tests"
+        return f"Crashed while running {', '.join(running)} ({'; '.join(why)})"
+    after = "the session died between tests" if died else "the run did not finish"
+    return f"Crashed: {'; '.join(why)}; {after}"
 
 
 def _problems(outcomes: Sequence[Outcome]) -> list[str]:

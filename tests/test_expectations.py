@@ -389,7 +389,7 @@ def test_expectations_mark_tests_and_travel_into_records(project):
     assert records["demo.unverified"]["status"] == "xfailed"
     assert not records["demo.unverified"]["expectation"]["verified_here"]
     from harness import triage
-    from harness.results import is_unexpected
+    from harness.verdict import is_unexpected
 
     assert [s for s, r in sorted(records.items()) if is_unexpected(r)] == [
         "demo.other",

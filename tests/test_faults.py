@@ -4,6 +4,8 @@ target is gone, reach rank processes; detection is read off the results records.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import textwrap
 from dataclasses import replace
@@ -178,6 +180,9 @@ def test_a_fault_file_adds_its_faults_once_and_activate_exports_it(fault_file, v
     [
         ("FAULTS = 3", "must define FAULTS as a tuple of harness.faults.Fault; got int"),
         ("raise ImportError('boom')", "failed to import: ImportError"),
+        ("import sys\nsys.exit(0)", r"failed to import: SystemExit\(0\)"),
+        ("raise GeneratorExit", "failed to import: GeneratorExit"),
+        ("class Stop(BaseException): pass\nraise Stop()", "failed to import: Stop"),
         (
             FAULT_FILE.replace("own.doubled", "dtensor.partial_avg_as_sum"),
             r"ids=\['dtensor.partial_avg_as_sum'\] are already in the catalogue",
@@ -191,6 +196,31 @@ def test_a_bad_fault_file_is_named_with_what_is_wrong(tmp_path, victim, text, me
         faults.load_files([path])
     with pytest.raises(FaultError, match="does not exist"):
         faults.load_files([tmp_path / "missing.py"])
+
+
+def test_a_ctrl_c_while_a_fault_file_imports_stays_an_interrupt(tmp_path):
+    path = tmp_path / "interrupted_faults.py"
+    path.write_text("raise KeyboardInterrupt")
+    with pytest.raises(KeyboardInterrupt):
+        faults.load_files([path])
+
+
+def test_mutate_refuses_a_fault_file_that_exits_on_import_naming_it(tmp_path):
+    """``sys.exit(0)`` in a fault file is a usage error naming the file, never "every fault
+    caught" (exit 0) before anything ran."""
+    path = tmp_path / "exits.py"
+    path.write_text("import sys\nsys.exit(0)\n")
+    command = [sys.executable, "-m", "harness", "mutate", "--fault-file", str(path), "--jobs",
+               "1", "--out", str(tmp_path / "out")]  # fmt: skip
+    done = subprocess.run(
+        command, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+    )  # fmt: skip
+    assert done.returncode == 4, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"error: --fault-file: fault file {str(path)!r} failed to import: SystemExit(0)" in (
+        done.stderr
+    )
+    assert not (tmp_path / "out").exists()
 
 
 RANK_PROBE = """
@@ -289,16 +319,10 @@ def test_detection_time_is_the_earlier_tests_plus_the_time_to_the_first_failing_
             falsifying_example="case=X",
         ),
     ]
-    mutate._note_detection(result, tests)
+    mutate._note_detection(result, tests, [tests[2]])
     assert (result.caught, result.test, result.specs) == (True, "t3", ["s.three"])
     assert (result.seconds_to_detect, result.examples_to_detect) == (3.5, 7)
     assert result.counterexample == "case=X"
-
-
-def test_nothing_failing_means_the_fault_survived():
-    result = mutate.FaultResult(fault="f", area="a", bug_class="b", summary="s", caught=False)
-    mutate._note_detection(result, [_record("t1", "passed", 1.0), _record("t2", "skipped", 0)])
-    assert not result.caught and result.seconds_to_detect is None
 
 
 def test_fault_runs_take_one_rank_last():
@@ -327,10 +351,8 @@ def _fake_launch(monkeypatch, statuses_by_suite):
             {"kind": "test", "nodeid": f"{s}::t", "status": statuses_by_suite[s], "duration": 1.0}
             for s in suites
         ]
-        with (out / "results.jsonl").open("w") as handle:
-            handle.write(json.dumps({"kind": "header", "schema": 1}) + "\n")
-            for record in records:
-                handle.write(json.dumps(record) + "\n")
+        lines = [{"kind": "header", "schema": 1}, *records, {"kind": "end", "exitstatus": 1}]
+        (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
         return 1, 2.0
 
     monkeypatch.setattr(mutate, "_launch", launch)
@@ -363,6 +385,7 @@ def _fake_runs(monkeypatch, failing_suites=()):
         unexpected = [f"{suites[0]}::t: failed"] if failed else []
         return {
             "exit_code": int(failed),
+            "verdict": "fail" if failed else "pass",
             "seconds": 1.0,
             "tests": 1,
             "unexpected": unexpected,
@@ -403,7 +426,7 @@ def test_a_failing_clean_suite_voids_the_score_and_later_fault_runs_do_not_start
     ran = _fake_runs(monkeypatch, failing_suites=("uneven",))
     result = mutate.mutate(replace(CONFIG, out=tmp_path), TWO_FAULTS, jobs=1)
     assert sorted(ran) == ["clean:placements", "clean:uneven"]  # and no fault run
-    assert result.void and "1 unexpected outcome(s)" in result.void
+    assert result.void and "verdict fail, exit code 1, 1 unexpected outcome(s)" in result.void
     assert [r.problem for r in result.results] == [
         "not run: a clean suite run failed before this fault's run"
     ] * 2

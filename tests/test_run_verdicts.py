@@ -107,6 +107,27 @@ def test_a_passing_run_is_green_everywhere(tmp_path):
     assert _verdicts(tmp_path / "out") == ("pass", "pass")
 
 
+BROKEN_PLUGIN = """
+def pytest_runtest_logfinish(nodeid, location):
+    raise RuntimeError(f"a plugin broke after {nodeid}")
+"""
+
+
+def test_an_internal_error_after_a_passing_test_is_a_crashed_run_everywhere(tmp_path):
+    """pytest's INTERNALERROR (exit status 3 in the end record) after the first test: the
+    session did not run to its end, so one passing test is no green run."""
+    (tmp_path / "conftest.py").write_text(BROKEN_PLUGIN)
+    code, output = _run(tmp_path, select="passes")
+    assert code == 3, output[-3000:]
+    assert "INTERNALERROR" in output and "a plugin broke after" in output
+    assert (
+        "verdict: crashed: Crashed: pytest stopped with an internal error (exit status 3, "
+        "INTERNAL_ERROR) in "
+    ) in output
+    assert "All conformant" not in output
+    assert _verdicts(tmp_path / "out") == ("crashed", "crashed")
+
+
 def _wait_for_start(results: Path, process: subprocess.Popen[str]) -> None:
     for _ in range(600):
         if results.exists() and '"kind": "start"' in results.read_text():

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from harness.verdict import FileState, run_verdict
+from harness.results import ResultsWriter, TestRecord, read_results
+from harness.verdict import (
+    EXIT_CODES,
+    FileState,
+    is_unexpected,
+    of_results,
+    outcome,
+    run_verdict,
+)
 
 ENDED = {"exitstatus": 0}
 PASS = [("passed", None)]
@@ -89,3 +97,157 @@ def test_the_details_say_how_many_deviations_are_not_verified_here():
     assert verdict.details == (
         "2 tests, 2 ran, 2 known deviations held (1 not verified on this torch)",
     )
+
+
+@pytest.mark.parametrize(
+    ("end", "kind", "headline"),
+    [
+        ({"exitstatus": 0}, "pass", "All conformant"),
+        ({"exitstatus": 1}, "pass", "All conformant"),  # the records say what failed
+        ({"exitstatus": 5}, "pass", "All conformant"),
+        ({"exitstatus": 2}, "interrupted", "Interrupted: the run did not finish"),
+        (
+            {"exitstatus": 3},
+            "crashed",
+            "Crashed: pytest stopped with an internal error (exit status 3, INTERNAL_ERROR) in "
+            "r.jsonl; the run did not finish",
+        ),
+        (
+            {"exitstatus": 4},
+            "crashed",
+            "Crashed: pytest stopped with a usage error (exit status 4, USAGE_ERROR) in r.jsonl",
+        ),
+        ({"exitstatus": 70}, "crashed", "(exit status 70, not one of pytest's)"),
+        ({"exitstatus": True}, "crashed", "its end record holds no pytest exit status (True)"),
+        ({}, "crashed", "its end record holds no pytest exit status (None)"),
+    ],
+)
+def test_a_session_that_did_not_run_to_its_end_is_never_green(end, kind, headline):
+    """pytest's exit statuses: OK, TESTS_FAILED and NO_TESTS_COLLECTED end a session that ran
+    to its end, and its records decide; INTERRUPTED is an interrupt; any other status (an
+    INTERNALERROR after the first test, say) cut the run short, whatever was recorded."""
+    verdict = run_verdict([_file(end)], PASS)
+    assert (verdict.kind, verdict.exit_code) == (kind, EXIT_CODES[kind])
+    assert headline in verdict.headline
+
+
+def test_a_cut_short_session_names_the_test_it_was_running():
+    verdict = run_verdict([_file({"exitstatus": 3}, ["t.py::b"]), _file()], PASS)
+    assert verdict.kind == "crashed"
+    assert verdict.headline == (
+        "Crashed while running t.py::b (pytest stopped with an internal error (exit status 3, "
+        "INTERNAL_ERROR) in r.jsonl)"
+    )
+
+
+def test_records_of_a_schema_this_distconf_does_not_read_are_never_green():
+    misread = FileState("r.jsonl", ENDED, (), 0, "schema=3 is not one this distconf reads (1, 2)")
+    verdict = run_verdict([misread, _file(path="s.jsonl")], PASS)
+    assert (verdict.kind, verdict.exit_code) == ("partial", 3)
+    assert verdict.headline == (
+        "Records that may mean otherwise: r.jsonl: schema=3 is not one this distconf reads (1, 2)"
+    )
+    assert run_verdict([misread], [("failed", "new")]).kind == "partial"
+    assert run_verdict([misread, _file(None)], PASS).kind == "crashed"
+
+
+def _results(path, records, *, schema=2, end=ENDED, started=()):
+    writer = ResultsWriter(path, {"kind": "header", "schema": schema, "torch": "2.13.0"})
+    for nodeid in started:
+        writer.write_start(nodeid)
+    for record in records:
+        writer.write_test(record)
+    if end is not None:
+        writer.close(**end)
+    return read_results(path)
+
+
+def _test(nodeid, status, expectation=None):
+    return TestRecord(nodeid, "s.x", "threads", 2, "cpu", status, 1.0, expectation=expectation)
+
+
+@pytest.mark.parametrize(
+    ("schema", "problem"),
+    [
+        (1, None),
+        (2, None),
+        (3, "schema=3 is not one this distconf reads (1, 2)"),
+        ("2", "schema='2' is not one this distconf reads (1, 2)"),
+        (None, "schema=None is not one this distconf reads (1, 2)"),
+    ],
+)
+def test_read_results_marks_a_schema_it_does_not_read(tmp_path, schema, problem):
+    results = _results(tmp_path / "r.jsonl", [_test("t::a", "passed")], schema=schema)
+    assert results.schema_problem == problem
+    assert results.tests and results.tests[0]["status"] == "passed"  # read all the same
+    judged = of_results([("r.jsonl", results)])
+    assert judged.kind == ("pass" if problem is None else "partial")
+
+
+def test_a_file_without_a_header_has_no_known_schema(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"kind": "test", "nodeid": "t::a", "status": "passed"}\n{"kind": "end", '
+                    '"exitstatus": 0}\n')  # fmt: skip
+    results = read_results(path)
+    assert results.schema_problem == "no header record, so its schema is unknown"
+    assert of_results([(str(path), results)]).kind == "partial"
+
+
+FLAKY = {"status": "flaky", "source": "t.toml #1"}
+XFAIL = {"status": "xfail", "source": "t.toml #2", "verified_here": True}
+
+
+def test_what_a_run_caught_is_what_its_verdict_calls_unexpected(tmp_path):
+    """A flaky deviation that did not show is no catch; a failure, an unexpected pass of a
+    strict deviation or of a test without one, and a test that recorded no outcome are."""
+    first = _results(
+        tmp_path / "results.gw0.jsonl",
+        [
+            _test("t::flaky", "xpassed", FLAKY),
+            _test("t::known", "xfailed", XFAIL),
+            _test("t::fails", "failed"),
+            _test("t::fixed", "xpassed", XFAIL),
+            _test("t::passes", "passed"),
+        ],
+    )
+    second = _results(
+        tmp_path / "results.gw1.jsonl",
+        [_test("t::new_pass", "xpassed")],
+        end=None,
+        started=["t::new_pass", "t::dies"],
+    )
+    judged = of_results([("gw0", first), ("gw1", second)])
+    assert [(r["nodeid"], r["status"]) for r in judged.caught] == [
+        ("t::fails", "failed"),
+        ("t::fixed", "xpassed"),
+        ("t::new_pass", "xpassed"),
+        ("t::dies", "crashed"),
+    ]
+    assert judged.caught[0] is first.tests[2]  # the record itself, as written
+    assert "started and recorded no outcome in gw1" in judged.caught[-1]["error"]
+    assert judged.kind == "crashed" and not judged.clean and not judged.finished
+
+
+def test_a_run_that_checked_nothing_caught_nothing_and_is_not_clean():
+    judged = of_results([])
+    assert judged.kind == "empty" and not judged.clean and judged.finished and not judged.caught
+
+
+@pytest.mark.parametrize(
+    ("record", "status", "category", "unexpected"),
+    [
+        ({"status": "passed"}, "passed", None, False),
+        ({"status": "xpassed", "expectation": FLAKY}, "xpassed", None, False),
+        ({"status": "xpassed", "expectation": XFAIL}, "xpassed", "fixed", True),
+        ({"status": "xpassed"}, "xpassed", "new", True),
+        ({"status": "xfailed", "expectation": XFAIL}, "xfailed", "known", False),
+        ({"status": "<b>green</b>"}, "error", "new", True),
+        ({}, "error", "new", True),
+        ({"status": "weird", "expectation": XFAIL}, "error", "different", True),
+    ],
+)
+def test_a_records_outcome_counts_a_status_distconf_does_not_write_as_an_error(
+    record, status, category, unexpected
+):
+    assert outcome(record) == (status, category)
+    assert is_unexpected(record) is unexpected

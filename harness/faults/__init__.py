@@ -90,7 +90,10 @@ def _faults_of_file(path: Path) -> list[Fault]:
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
+    except KeyboardInterrupt:
+        raise  # Ctrl-C while it imports: the command is interrupted, the file not judged
+    # A file ending the process on import (sys.exit(0)) would end mutate as if it passed.
+    except BaseException as exc:
         raise FaultError(f"fault file {str(path)!r} failed to import: {exc!r}") from exc
     found = getattr(module, "FAULTS", None)
     if not isinstance(found, tuple | list) or not all(isinstance(f, Fault) for f in found):

@@ -1,36 +1,40 @@
 """``python -m harness mutate``: the detection score of the suites against the fault catalogue.
 
-One clean run (it must have no unexpected outcome, or the score is void), and one run per
-fault with the fault injected (``--distconf-faults``): the suites of the fault's area on
-their own first, then, if they did not catch it, the others. With ``--jobs N`` the clean run is
+One clean run (its verdict must be a pass, or the score is void), and one run per fault
+with the fault injected (``--distconf-faults``): the suites of the fault's area on their own
+first, then, if they did not catch it, the others. With ``--jobs N`` the clean run is
 split into one run per suite and N runs go at once, clean suites first: a fault run that
 would start after a clean suite failed is not started. A fault run starts with the suites of
-the fault's area and stops at the first failure: the fault is *caught* by the spec that
-failed, after the time and the number of examples the record says, with the shrunk
-counterexample hypothesis printed. Every run is a ``session.run`` in a process of its own
-(forked from one that already imported torch: ``harness.mutation.launcher``) with its own
-results directory, so a fault can never leak into another run, and
-``mutation.json`` is rewritten after every run: an interrupted command keeps what it measured.
+the fault's area and stops at the first failure: the fault is *caught* by the first test
+``harness.verdict`` says the run caught (an outcome its triage calls unexpected, as a clean
+run's verdict would: a flaky deviation that did not show is not one; or a test the session
+died running), after the time and the number of examples the record says, with the shrunk
+counterexample hypothesis printed. A phase that did not run to its end and caught nothing
+says nothing about the fault (a problem, never "survived"). Every run is a ``session.run``
+in a process of its own (forked from one that already imported torch:
+``harness.mutation.launcher``) with its own results directory, so a fault can never leak
+into another run, and ``mutation.json`` is rewritten after every run: an interrupted
+command keeps what it measured.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from harness import catalogue, faults, session, triage
+from harness import catalogue, faults, session, verdict
 from harness.config import RunConfig
 from harness.errors import check_int
 from harness.mutation import launcher
 from harness.results import read_results
+from harness.verdict import RunVerdict
 
 SCHEMA = 1
-CAUGHT = ("failed", "error", "timeout", "crashed", "xpassed")
 
 
 @dataclass
@@ -102,24 +106,23 @@ def _launch(config: RunConfig) -> tuple[int, float]:
     return code, time.perf_counter() - started
 
 
-def _tests(out: Path) -> list[dict[str, Any]]:
-    return [
-        record for path in sorted(out.glob("results*.jsonl")) for record in read_results(path).tests
-    ]
+def judged(out: Path) -> tuple[RunVerdict, list[dict[str, Any]]]:
+    """The verdict on the run in ``out`` (``harness.verdict``, as ``harness run`` gives it)
+    and its test records in the order they were written."""
+    read = [(str(path), read_results(path)) for path in sorted(out.glob("results*.jsonl"))]
+    return verdict.of_results(read), [record for _, results in read for record in results.tests]
 
 
 def clean_run(config: RunConfig, out: Path, suites: Sequence[str]) -> dict[str, Any]:
     """Run the suites without faults; report whether the run can anchor a score."""
     code, seconds = _launch(replace(config, out=out, suites=tuple(suites)))
-    tests = _tests(out)
-    # The run's own verdict says which outcomes are unexpected (a flaky deviation that did
-    # not show, say, is not one).
-    unexpected = [r for r in tests if triage.category(r) in triage.UNEXPECTED]
+    run, tests = judged(out)
     return {
         "exit_code": code,
+        "verdict": run.kind,
         "seconds": round(seconds, 1),
         "tests": len(tests),
-        "unexpected": [f"{r['nodeid']}: {r['status']}" for r in unexpected],
+        "unexpected": [f"{r.get('nodeid')}: {r.get('status')}" for r in run.caught],
         "results": str(out),
     }
 
@@ -132,7 +135,9 @@ def fault_run(
     *,
     cheap_first: tuple[Path, ...] = (),
 ) -> FaultResult:
-    """Run each phase's suites with ``fault`` injected, stopping at the first failure.
+    """Run each phase's suites with ``fault`` injected, stopping after the first phase
+    that caught it (``harness.verdict``: pytest's ``--exitfirst`` stops a phase at its first
+    failure, not at a non-strict unexpected pass, which a flaky deviation may give).
 
     The fault's area suites go first in a run of their own: within one run the plugin takes
     every suite at a world size before the next size, and most faults only show from world
@@ -152,36 +157,40 @@ def fault_run(
         where = out / f"phase-{number}"
         code, seconds = _launch(replace(faulty, out=where, suites=tuple(suites)))
         result.wall_seconds = round(result.wall_seconds + seconds, 1)
-        found = _tests(where)
-        if not found:
-            result.problem = (
-                f"the run wrote no test records (exit code {code}); see {where / 'log.txt'}"
-            )
-            return result
+        run, found = judged(where)
         tests += found
-        if any(record.get("status") in CAUGHT for record in found):
-            break
-    _note_detection(result, tests)
+        if run.caught:
+            _note_detection(result, tests, run.caught)
+            return result
+        if not found or not run.finished:
+            said = f"{run.kind}: {run.headline}" if found else "it wrote no test records"
+            ended = f"signal {-code}" if code < 0 else f"exit code {code}"
+            result.problem = f"the run of {', '.join(suites)} ({ended}) did not finish: {said}"
+            result.problem += f"; see {where / 'log.txt'}"
+            return result
     return result
 
 
-def _note_detection(result: FaultResult, tests: list[dict[str, Any]]) -> None:
+def _note_detection(
+    result: FaultResult, tests: Sequence[Mapping[str, Any]], caught: Sequence[Mapping[str, Any]]
+) -> None:
+    """``result`` caught by ``caught[0]`` (a record of ``tests``, or a test that recorded no
+    outcome, after them all), after the earlier tests' time; every caught test's spec."""
+    first = caught[0]
     elapsed = 0.0
     for record in tests:
-        if record.get("status") not in CAUGHT:
-            elapsed += record.get("duration") or 0.0
-            continue
-        if not result.caught:
-            result.caught = True
-            result.test = record["nodeid"]
-            result.status = record["status"]
-            to_failure = record.get("seconds_to_failure")
-            elapsed += to_failure if to_failure is not None else record.get("duration") or 0.0
-            result.seconds_to_detect = round(elapsed, 2)
-            result.examples_to_detect = record.get("examples_to_failure")
-            result.counterexample = record.get("falsifying_example") or record.get("error")
-        if record.get("spec") and record["spec"] not in result.specs:
-            result.specs.append(record["spec"])
+        if record is first:
+            break
+        elapsed += record.get("duration") or 0.0
+    to_failure = first.get("seconds_to_failure")
+    elapsed += to_failure if to_failure is not None else first.get("duration") or 0.0
+    result.caught = True
+    result.test = str(first.get("nodeid"))
+    result.status = str(first.get("status"))
+    result.seconds_to_detect = round(elapsed, 2)
+    result.examples_to_detect = first.get("examples_to_failure")
+    result.counterexample = first.get("falsifying_example") or first.get("error")
+    result.specs = list(dict.fromkeys(str(r["spec"]) for r in caught if r.get("spec")))
 
 
 def mutate(config: RunConfig, fault_ids: Sequence[str], *, jobs: int = 1) -> Mutation:
@@ -221,9 +230,9 @@ def mutate(config: RunConfig, fault_ids: Sequence[str], *, jobs: int = 1) -> Mut
         mutation.clean = _merged([p.result() for p in clean_parts], out / "clean")
     if not _passed(mutation.clean):
         mutation.void = (
-            f"the clean run did not pass (exit code {mutation.clean['exit_code']}, "
-            f"{len(mutation.clean['unexpected'])} unexpected outcome(s)): a fault cannot be "
-            "told from a failure that is already there"
+            f"the clean run did not pass (verdict {mutation.clean['verdict']}, exit code "
+            f"{mutation.clean['exit_code']}, {len(mutation.clean['unexpected'])} unexpected "
+            "outcome(s)): a fault cannot be told from a failure that is already there"
         )
     mutation.finished = True
     mutation.write(table)
@@ -250,13 +259,15 @@ def longest_first(suites: Sequence[str]) -> list[str]:
 
 
 def _passed(clean: dict[str, Any]) -> bool:
-    return clean["exit_code"] == 0 and not clean["unexpected"]
+    """Whether a clean run can anchor a score: its verdict a pass (``harness.verdict``)."""
+    return bool(clean["verdict"] == "pass" and clean["exit_code"] == 0)
 
 
 def _merged(parts: list[dict[str, Any]], out: Path) -> dict[str, Any]:
     """One clean-run entry for the per-suite clean runs finished so far."""
     return {
         "exit_code": next((p["exit_code"] for p in parts if p["exit_code"] != 0), 0),
+        "verdict": next((p["verdict"] for p in parts if p["verdict"] != "pass"), "pass"),
         "seconds": round(sum(p["seconds"] for p in parts), 1),
         "tests": sum(p["tests"] for p in parts),
         "unexpected": [entry for p in parts for entry in p["unexpected"]],

@@ -20,7 +20,6 @@ from harness.report.records import Expectation, Loaded, Metric, Record, SourceFi
 from harness.report.versions import Versions, versions
 from harness.results import SEVERITY as SEVERITY  # re-exported: the report's order of statuses
 from harness.results import TITLES as TITLES  # re-exported: the words of each status
-from harness.verdict import FileState, run_verdict
 
 LABELS = {
     "passed": "pass",
@@ -268,21 +267,17 @@ def facts(loaded: Loaded) -> tuple[Fact, ...]:
 
 
 def counts(records: Sequence[Record]) -> tuple[StatusCount, ...]:
+    """Tests per status; a status is marked unexpected where one of its tests is (a flaky
+    deviation's unexpected pass is not)."""
     tally = Counter(r.status for r in records)
     order = ("passed", "failed", "xfailed", "xpassed", "skipped", "error", "timeout", "crashed")
-    unexpected = {"failed", "xpassed", "error", "timeout", "crashed"}
+    unexpected = {r.status for r in records if r.unexpected}
     return tuple(StatusCount(s, TITLES[s], tally[s], s in unexpected) for s in order)
 
 
 def verdict(loaded: Loaded, covered: str) -> Verdict:
     """``harness.verdict``'s reading of the run, with what the specs covered."""
-    states = [
-        FileState(
-            f.path, dict(f.end) if f.end is not None else None, f.unfinished, len(f.bad_lines)
-        )
-        for f in loaded.files
-    ]
-    judged = run_verdict(states, [(r.status, r.category) for r in loaded.records])
+    judged = loaded.verdict
     return Verdict(judged.kind, judged.headline, " · ".join((*judged.details, covered)))
 
 

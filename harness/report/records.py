@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import triage
 from harness.errors import ReportError as ReportError  # re-exported: callers import it here
 from harness.parity import Verdict
-from harness.results import STATUSES, Results, is_unexpected, read_results
+from harness.results import STATUSES, Results, read_results
+from harness.verdict import RunVerdict, is_unexpected, of_results, outcome
 
 
 @dataclass(frozen=True)
@@ -110,15 +110,19 @@ class SourceFile:
     replaced_bytes: bool
     unfinished: tuple[str, ...] = ()
     """Tests that started and recorded no outcome: the session died running them."""
+    schema_problem: str | None = None
+    """No header, or a schema this distconf does not read: its records may mean otherwise."""
 
 
 @dataclass(frozen=True)
 class Loaded:
-    """Every record of one run (one or more files) and the warnings about its files."""
+    """Every record of one run (one or more files), the warnings about its files and the
+    run's verdict (``harness.verdict.of_results``, as the summary and JUnit give it)."""
 
     files: tuple[SourceFile, ...]
     records: tuple[Record, ...]
     warnings: tuple[str, ...]
+    verdict: RunVerdict
 
 
 def text(value: Any) -> str | None:
@@ -191,22 +195,22 @@ def _expectation(value: Any) -> Expectation | None:
 
 def normalise(raw: Mapping[str, Any], source: str) -> tuple[Record, str | None]:
     """The typed record, and a warning when its status is not one distconf writes."""
-    status, warning = raw.get("status"), None
-    if status not in STATUSES:
+    status, category = outcome(raw)
+    warning = None
+    if raw.get("status") not in STATUSES:
         warning = (
-            f"{source}: test {text(raw.get('nodeid'))!r} has status {text(status)!r}, which is"
-            f" not one of {', '.join(STATUSES)}; it is counted as an error"
+            f"{source}: test {text(raw.get('nodeid'))!r} has status {text(raw.get('status'))!r},"
+            f" which is not one of {', '.join(STATUSES)}; it is counted as an error"
         )
-        status = "error"
     record = Record(
         nodeid=text(raw.get("nodeid")) or "(no node id)",
         spec=text(raw.get("spec")),
         runner=text(raw.get("runner")) or "?",
         world_size=_int(raw.get("world_size")),
         device=text(raw.get("device")) or "?",
-        status=str(status),
-        unexpected=is_unexpected({**raw, "status": status}),
-        category=triage.category({**raw, "status": status}),
+        status=status,
+        unexpected=is_unexpected(raw),
+        category=category,
         duration=_float(raw.get("duration")),
         examples=_int(raw.get("examples")),
         falsifying_example=text(raw.get("falsifying_example")),
@@ -269,6 +273,8 @@ def _file_warnings(source: SourceFile) -> list[str]:
         warnings.append(f"{source.path}: bytes that are not UTF-8 were replaced")
     if source.header is None:
         warnings.append(f"{source.path}: no header record; its versions and settings are unknown")
+    elif source.schema_problem:
+        warnings.append(f"{source.path}: {source.schema_problem}: its records may mean otherwise")
     if source.end is None:
         warnings.append(
             f"{source.path}: no end record: the run did not finish, results are partial"
@@ -289,9 +295,10 @@ def _file_warnings(source: SourceFile) -> list[str]:
 
 def load(paths: Sequence[Path]) -> Loaded:
     """Every record of the files (or directories) in ``paths``, with warnings."""
-    files, records, warnings = [], [], []
+    files, records, warnings, read = [], [], [], []
     for path in expand(paths):
         results = _read(path)
+        read.append((str(path), results))
         source = SourceFile(
             path=str(path),
             header=results.header,
@@ -300,6 +307,7 @@ def load(paths: Sequence[Path]) -> Loaded:
             bad_lines=tuple(results.bad_lines),
             replaced_bytes=results.replaced_bytes,
             unfinished=tuple(results.unfinished),
+            schema_problem=results.schema_problem,
         )
         files.append(source)
         warnings += _file_warnings(source)
@@ -311,4 +319,4 @@ def load(paths: Sequence[Path]) -> Loaded:
     if not records and not any(f.unfinished for f in files):
         names = ", ".join(f.path for f in files)
         raise ReportError(f"no test records in {names}: nothing ran, so there is nothing to report")
-    return Loaded(tuple(files), tuple(records), tuple(warnings))
+    return Loaded(tuple(files), tuple(records), tuple(warnings), of_results(read))

@@ -1,0 +1,58 @@
+"""A results file of a schema this distconf does not read is never rendered green without a
+word: every reader goes through ``read_results``, which marks it; the summary, the report and
+JUnit give a partial verdict and say why, and ``expectations check`` refuses it."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+import pytest
+
+from harness import cli, junit, session
+from harness.report import render_report
+from harness.results import ResultsWriter, TestRecord
+
+CATALOGUE = Path(__file__).resolve().parent / "fixtures" / "report" / "catalogue.toml"
+PROBLEM = "schema=3 is not one this distconf reads (1, 2)"
+
+
+@pytest.fixture
+def newer(tmp_path: Path) -> Path:
+    """A finished run of one passing test, written by a distconf of schema 3."""
+    path = tmp_path / "results.jsonl"
+    header = {"kind": "header", "schema": 3, "torch": "2.13.0+cpu", "started": "now"}
+    writer = ResultsWriter(path, header)
+    writer.write_start("t.py::a")
+    record = TestRecord("t.py::a", "uneven.torch_chunk", "threads", 2, "cpu", "passed", 1.0)
+    writer.write_test(record)
+    writer.close(exitstatus=0)
+    return path
+
+
+def test_the_summary_and_junit_call_it_partial_and_say_why(newer, tmp_path, capsys):
+    judged = session.summarise([newer])
+    printed = capsys.readouterr().out
+    assert f"warning: {newer}: {PROBLEM}: its records may mean otherwise" in printed
+    assert f"verdict: partial: Records that may mean otherwise: {newer}: {PROBLEM}" in printed
+    assert (judged.kind, judged.exit_code) == ("partial", 3)
+    xml = tmp_path / "junit.xml"
+    junit.add_verdict(xml, judged)
+    suite = next(ElementTree.parse(xml).getroot().iter("testsuite"))
+    assert {p.get("name"): p.get("value") for p in suite.iter("property")} == {
+        "distconf_verdict": "partial"
+    }
+
+
+def test_the_report_calls_it_partial_and_warns(newer, tmp_path):
+    html = render_report([newer], tmp_path / "report.html", catalogue_path=CATALOGUE)
+    page = html.read_text(encoding="utf-8")
+    assert '<section class="verdict partial"' in page
+    assert "All conformant" not in page
+    assert f"{newer}: {PROBLEM}: its records may mean otherwise" in page
+
+
+def test_expectations_check_refuses_it(newer, capsys):
+    assert cli.main(["expectations", "check", str(newer)]) == cli.USAGE_ERROR
+    error = capsys.readouterr().err
+    assert f"must be results this distconf reads: {str(newer)!r}: {PROBLEM}" in error
