@@ -4,10 +4,15 @@ do. The Worlds here are two torchrun "nodes" of two processes each on loopback."
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import queue
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,6 +25,7 @@ from harness.config import RunConfig
 from harness.errors import InvalidArgument
 from harness.results import read_results
 from harness.runners import _channel, make_world
+from harness.runners._listener import AgentListener
 from harness.runners.torchrun import TorchrunOptions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -166,7 +172,7 @@ def test_a_function_of_the_drivers_main_is_refused(restartable):
 
 
 def test_a_wrong_token_is_refused_before_any_pickle(caplog):
-    listener = _channel.AgentListener(("127.0.0.1", 0), TOKEN.encode())
+    listener = AgentListener(("127.0.0.1", 0), TOKEN.encode())
     try:
         with pytest.raises(ConnectionError):
             _channel.connect(listener.address, b"not-the-token-0123456789", timeout=5.0)
@@ -188,7 +194,7 @@ def test_a_wrong_token_is_refused_before_any_pickle(caplog):
 
 
 def test_an_impostor_driver_is_refused_by_the_agent():
-    listener = _channel.AgentListener(("127.0.0.1", 0), b"the-impostor-knows-another-token")
+    listener = AgentListener(("127.0.0.1", 0), b"the-impostor-knows-another-token")
     try:
         with pytest.raises(ConnectionError):
             _channel.connect(listener.address, TOKEN.encode(), timeout=5.0)
@@ -215,6 +221,28 @@ def test_agents_that_never_attach_fail_the_start_after_the_attach_timeout(monkey
             world.run(_sum_of_ranks)
     finally:
         world.close()
+
+
+def test_where_the_driver_waits_and_a_listener_beyond_loopback_are_warnings(monkeypatch, caplog):
+    """On the torchrun runner's notices logger, which the plugin puts on the terminal."""
+    monkeypatch.setenv(_channel.TOKEN_VAR, TOKEN)
+    monkeypatch.setattr(_channel, "is_loopback", lambda host: False)
+    options = TorchrunOptions(world_size=2, attach_timeout=1.0)
+    world = make_world("torchrun", 2, torchrun=options)
+    try:
+        host, port = world.address
+    finally:
+        world.close()
+    notices = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "distconf.torchrun" and r.levelno == logging.WARNING
+    ]
+    assert f"the torchrun runner listens on {host}:{port}, beyond this machine's" in notices[0]
+    assert notices[1] == (
+        f"distconf: waiting up to 1 s for 2 agents: torchrun ... -m harness.attach --driver "
+        f"{host}:{port}"
+    )
 
 
 @pytest.mark.parametrize(
@@ -270,3 +298,64 @@ def test_the_suites_on_two_torchrun_nodes_match_the_process_runner(tmp_path):
     expected = _outcomes_by_spec(tmp_path / "processes")
     assert sum(status == "passed" for status in expected.values()) >= 15
     assert _outcomes_by_spec(tmp_path / "torchrun") == expected
+
+
+def test_the_driver_shows_where_it_waits_and_what_it_refused_at_once(tmp_path):
+    """pytest runs the run's tests with its capture on, in a child of ``harness run``: the
+    waiting line and each refusal reach the terminal while the driver waits, and the end
+    record and the report count the refusals."""
+    out = tmp_path / "out"
+    command = [
+        sys.executable, "-m", "harness", "run", "--runner", "torchrun", "--world-sizes", "2",
+        "--attach-timeout", "15", "--suite", "placements", "--profile", "dev", "--seed", "1",
+        "--out", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), _channel.TOKEN_VAR: TOKEN}
+    run = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        for line in run.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    seen: list[str] = []
+
+    def printed(pattern: str, timeout: float) -> re.Match[str]:
+        """The line matching ``pattern``, printed while the run still waits for agents."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                line = lines.get(timeout=0.1)
+                assert line is not None, f"the run ended first:\n{''.join(seen)[-3000:]}"
+                seen.append(line)
+                found = re.search(pattern, line)
+                if found:
+                    assert run.poll() is None, "printed only once the run had ended"
+                    return found
+        raise AssertionError(f"not printed in {timeout} s:\n{''.join(seen)[-3000:]}")
+
+    try:
+        waiting = printed(
+            r"distconf: waiting up to 15 s for 2 agents: torchrun \.\.\. -m harness\.attach "
+            r"--driver (127\.0\.0\.1):(\d+)",
+            timeout=180,
+        )
+        driver = (waiting[1], int(waiting[2]))
+        with pytest.raises(ConnectionError):
+            _channel.connect(driver, b"not-the-token-0123456789", timeout=5.0)
+        printed(
+            r"refused a connection from 127\.0\.0\.1:\d+ to the torchrun listener: wrong token", 10
+        )
+        run.wait(timeout=300)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert run.returncode == 1, "".join(seen)[-3000:]
+    (results,) = out.glob("results*.jsonl")
+    assert read_results(results).end["refused_connections"] == 1
+    assert "the torchrun driver refused 1 connection " in (out / "report.html").read_text()

@@ -55,12 +55,13 @@ def agent_info() -> _channel.AgentInfo:
 
 
 def _connect(driver: tuple[str, int], token: bytes, timeout: float) -> Connection:
-    """Connect, retrying while the driver is not listening yet."""
+    """Connect, retrying while the driver is not listening yet or not greeting yet (busy
+    admitting other connections)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             return _channel.connect(driver, token, timeout=_channel.HANDSHAKE_TIMEOUT)
-        except ConnectionRefusedError:
+        except (ConnectionRefusedError, _channel.NoGreeting):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
