@@ -5,13 +5,16 @@ do. The Worlds here are two torchrun "nodes" of two processes each on loopback."
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -49,6 +52,16 @@ def _launched(max_restarts: int, timeout: float = 20.0):
         world_size=WORLD_SIZE, nproc_per_node=2, nnodes=2, max_restarts=max_restarts
     )
     return make_world("torchrun", WORLD_SIZE, torchrun=options, timeout=timeout)
+
+
+@pytest.fixture
+def private_tmpdir(tmp_path, monkeypatch) -> Path:
+    """``TMPDIR`` of this test and of everything it starts: a directory that must stay empty."""
+    directory = tmp_path / "tmpdir"
+    directory.mkdir()
+    monkeypatch.setenv("TMPDIR", str(directory))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    return directory
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +150,9 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_the_session_goes_on(restarta
     assert restartable.attaches == attaches + 1
 
 
-def test_with_no_restarts_left_the_remaining_calls_are_crashed(ranks_import_this_module):
+def test_with_no_restarts_left_the_remaining_calls_are_crashed(
+    ranks_import_this_module, private_tmpdir
+):
     world = _launched(max_restarts=0)
     try:
         _assert_serves_next_call(world)
@@ -157,6 +172,8 @@ def test_with_no_restarts_left_the_remaining_calls_are_crashed(ranks_import_this
             assert "no restarts left (--max-restarts=0)" in failure.describe()
     finally:
         world.close()
+    # torchrun's and torchelastic's files, the token and the logs went with the World
+    assert sorted(p.name for p in private_tmpdir.iterdir()) == []
 
 
 def test_a_function_of_the_drivers_main_is_refused(restartable):
@@ -166,6 +183,73 @@ def test_a_function_of_the_drivers_main_is_refused(restartable):
     local.__module__ = "__main__"
     with pytest.raises(InvalidArgument, match=r"fn=.* must be a function of an importable module"):
         restartable.run(local)
+
+
+# --- what listens where ------------------------------------------------------------------------
+
+
+def _listening_sockets() -> dict[str, tuple[str, int]]:
+    """Every listening TCP socket of this machine: its inode -> (address, port)."""
+    found = {}
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        lines = Path(f"/proc/net/{table}").read_text().splitlines()[1:]
+        for fields in (line.split() for line in lines):
+            if fields[3] != "0A":  # TCP_LISTEN
+                continue
+            address, port = fields[1].split(":")
+            raw = bytes.fromhex(address)  # 32-bit words in the host's order
+            words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found[fields[9]] = (socket.inet_ntop(family, words), int(port, 16))
+    return found
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    try:
+        descriptors = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return inodes  # it ended meanwhile
+    for descriptor in descriptors:
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{descriptor}")
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    return inodes
+
+
+def _process_tree(root: int) -> set[int]:
+    """``root`` and every process descended from it."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError, IndexError):
+            if entry.isdigit():
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    tree, grown = {root}, True
+    while grown:
+        children = {pid for pid, parent in parents.items() if parent in tree} - tree
+        tree |= children
+        grown = bool(children)
+    return tree
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads sockets from Linux's /proc")
+def test_nothing_distconf_starts_listens_beyond_loopback(restartable):
+    """The driver (its listener, the store of the ranks' groups) and every process of the
+    torchrun it started (torchrun, agents, ranks and their gloo pairs)."""
+    restartable.check_health()
+    launched = {pid for p in restartable._launcher.processes for pid in _process_tree(p.pid)}
+    listening = _listening_sockets()
+    found = {
+        (pid, listening[inode])
+        for pid in launched | {os.getpid()}
+        for inode in _socket_inodes(pid)
+        if inode in listening
+    }
+    assert (os.getpid(), restartable.address) in found
+    assert any(pid != os.getpid() for pid, _ in found), "no rank's gloo pairs were seen"
+    beyond = sorted((pid, a) for pid, a in found if not ipaddress.ip_address(a[0]).is_loopback)
+    assert beyond == [], "listening beyond loopback (pid, address)"
 
 
 # --- attaching ---------------------------------------------------------------------------------
@@ -221,6 +305,30 @@ def test_agents_that_never_attach_fail_the_start_after_the_attach_timeout(monkey
             world.run(_sum_of_ranks)
     finally:
         world.close()
+
+
+def test_an_agent_that_fails_to_attach_leaves_nothing_in_tmpdir(private_tmpdir):
+    listener = AgentListener(("127.0.0.1", 0), TOKEN.encode())
+    try:
+        host, port = listener.address
+        torchrun_env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+        agent = subprocess.run(
+            [sys.executable, "-m", "harness.attach", f"--driver={host}:{port}"],
+            env={
+                **os.environ,
+                **torchrun_env,
+                "PYTHONPATH": str(ROOT),
+                _channel.TOKEN_VAR: "not-the-token-0123456789",
+            },
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        listener.close()
+    assert agent.returncode != 0
+    assert "ConnectionError: the peer closed the connection during the handshake" in agent.stderr
+    assert sorted(p.name for p in private_tmpdir.iterdir()) == []
 
 
 def test_where_the_driver_waits_and_a_listener_beyond_loopback_are_warnings(monkeypatch, caplog):
