@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import RankFailure, WorldStartError
+from harness import RankFailure, WorldStartError, cli
 from harness.config import RunConfig
 from harness.errors import InvalidArgument
 from harness.results import read_results
@@ -373,6 +373,15 @@ def test_agents_started_elsewhere_need_the_token_before_anything_starts(monkeypa
     config = RunConfig(runner="torchrun", world_sizes=(4,), out=tmp_path)
     with pytest.raises(InvalidArgument, match=r"DISTCONF_TOKEN='<unset>' must be a shared"):
         config.check_machine()
+
+
+def test_a_missing_token_is_named_as_the_variable_it_is(monkeypatch, tmp_path, capsys):
+    monkeypatch.delenv(_channel.TOKEN_VAR, raising=False)
+    command = ["run", "--runner", "torchrun", "--world-sizes", "2", "--out", str(tmp_path)]
+    assert cli.main(command) == cli.USAGE_ERROR
+    err = capsys.readouterr().err
+    assert "error: DISTCONF_TOKEN='<unset>' must be a shared secret of at least 16" in err
+    assert "--DISTCONF-TOKEN" not in err
 
 
 # --- the suites --------------------------------------------------------------------------------
