@@ -41,10 +41,13 @@ def show_on_terminal(config: pytest.Config) -> None:
         return  # no standard error to write to: pytest's log capture keeps them
     handler = TerminalNotices(descriptor)
     logger = logging.getLogger(NOTICES)
+    level = logger.level
+    logger.setLevel(logging.WARNING)  # whatever level pytest's --log-level gives the root
     logger.addHandler(handler)
 
     def remove() -> None:
         logger.removeHandler(handler)
+        logger.setLevel(level)
         with contextlib.suppress(OSError):
             os.close(descriptor)
 
