@@ -237,8 +237,9 @@ _TORCHRUN_FIELDS = {
 def as_option(error: InvalidArgument, spelled: Mapping[str, str] | None = None) -> InvalidArgument:
     """A complaint about a field as the command line and pytest spell its option
     (``world_sizes='0' must be ...`` -> ``--world-sizes='0' must be ...``); ``spelled``
-    names the options that are not ``--`` and the field's name with dashes."""
-    if error.name is None:
+    names the options that are not ``--`` and the field's name with dashes. An environment
+    variable (``DISTCONF_TOKEN``, upper case) keeps its name."""
+    if error.name is None or error.name.isupper():
         return error
     option = (spelled or {}).get(error.name, "--" + error.name.replace("_", "-"))
     return error.renamed(option)

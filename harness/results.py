@@ -13,7 +13,8 @@ A results file is one JSON object per line, each with a ``kind``:
   names the test that was running when the session died.
 - ``test`` (one per test outcome): the fields of ``TestRecord``.
 - ``end`` (last, only when the session finished): ``finished``, ``duration``, ``exitstatus``
-  (pytest's) and, when the session was interrupted, ``interrupted`` (why).
+  (pytest's), when the session was interrupted, ``interrupted`` (why) and, on the torchrun
+  runner, ``refused_connections`` (how many its driver's listener refused).
 
 Every record is flushed as it is written, so a run that is interrupted or crashes keeps every
 record written before; a missing ``end`` record tells the reader so. ``read_results`` is the

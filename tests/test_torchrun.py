@@ -4,10 +4,18 @@ do. The Worlds here are two torchrun "nodes" of two processes each on loopback."
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
+import logging
 import os
+import queue
+import re
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -15,11 +23,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import RankFailure, WorldStartError
+from harness import RankFailure, WorldStartError, cli
 from harness.config import RunConfig
 from harness.errors import InvalidArgument
 from harness.results import read_results
 from harness.runners import _channel, make_world
+from harness.runners._listener import AgentListener
 from harness.runners.torchrun import TorchrunOptions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,6 +52,16 @@ def _launched(max_restarts: int, timeout: float = 20.0):
         world_size=WORLD_SIZE, nproc_per_node=2, nnodes=2, max_restarts=max_restarts
     )
     return make_world("torchrun", WORLD_SIZE, torchrun=options, timeout=timeout)
+
+
+@pytest.fixture
+def private_tmpdir(tmp_path, monkeypatch) -> Path:
+    """``TMPDIR`` of this test and of everything it starts: a directory that must stay empty."""
+    directory = tmp_path / "tmpdir"
+    directory.mkdir()
+    monkeypatch.setenv("TMPDIR", str(directory))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    return directory
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +150,9 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_the_session_goes_on(restarta
     assert restartable.attaches == attaches + 1
 
 
-def test_with_no_restarts_left_the_remaining_calls_are_crashed(ranks_import_this_module):
+def test_with_no_restarts_left_the_remaining_calls_are_crashed(
+    ranks_import_this_module, private_tmpdir
+):
     world = _launched(max_restarts=0)
     try:
         _assert_serves_next_call(world)
@@ -151,6 +172,8 @@ def test_with_no_restarts_left_the_remaining_calls_are_crashed(ranks_import_this
             assert "no restarts left (--max-restarts=0)" in failure.describe()
     finally:
         world.close()
+    # torchrun's and torchelastic's files, the token and the logs went with the World
+    assert sorted(p.name for p in private_tmpdir.iterdir()) == []
 
 
 def test_a_function_of_the_drivers_main_is_refused(restartable):
@@ -162,11 +185,78 @@ def test_a_function_of_the_drivers_main_is_refused(restartable):
         restartable.run(local)
 
 
+# --- what listens where ------------------------------------------------------------------------
+
+
+def _listening_sockets() -> dict[str, tuple[str, int]]:
+    """Every listening TCP socket of this machine: its inode -> (address, port)."""
+    found = {}
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        lines = Path(f"/proc/net/{table}").read_text().splitlines()[1:]
+        for fields in (line.split() for line in lines):
+            if fields[3] != "0A":  # TCP_LISTEN
+                continue
+            address, port = fields[1].split(":")
+            raw = bytes.fromhex(address)  # 32-bit words in the host's order
+            words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found[fields[9]] = (socket.inet_ntop(family, words), int(port, 16))
+    return found
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    try:
+        descriptors = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return inodes  # it ended meanwhile
+    for descriptor in descriptors:
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{descriptor}")
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    return inodes
+
+
+def _process_tree(root: int) -> set[int]:
+    """``root`` and every process descended from it."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError, IndexError):
+            if entry.isdigit():
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    tree, grown = {root}, True
+    while grown:
+        children = {pid for pid, parent in parents.items() if parent in tree} - tree
+        tree |= children
+        grown = bool(children)
+    return tree
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads sockets from Linux's /proc")
+def test_nothing_distconf_starts_listens_beyond_loopback(restartable):
+    """The driver (its listener, the store of the ranks' groups) and every process of the
+    torchrun it started (torchrun, agents, ranks and their gloo pairs)."""
+    restartable.check_health()
+    launched = {pid for p in restartable._launcher.processes for pid in _process_tree(p.pid)}
+    listening = _listening_sockets()
+    found = {
+        (pid, listening[inode])
+        for pid in launched | {os.getpid()}
+        for inode in _socket_inodes(pid)
+        if inode in listening
+    }
+    assert (os.getpid(), restartable.address) in found
+    assert any(pid != os.getpid() for pid, _ in found), "no rank's gloo pairs were seen"
+    beyond = sorted((pid, a) for pid, a in found if not ipaddress.ip_address(a[0]).is_loopback)
+    assert beyond == [], "listening beyond loopback (pid, address)"
+
+
 # --- attaching ---------------------------------------------------------------------------------
 
 
 def test_a_wrong_token_is_refused_before_any_pickle(caplog):
-    listener = _channel.AgentListener(("127.0.0.1", 0), TOKEN.encode())
+    listener = AgentListener(("127.0.0.1", 0), TOKEN.encode())
     try:
         with pytest.raises(ConnectionError):
             _channel.connect(listener.address, b"not-the-token-0123456789", timeout=5.0)
@@ -188,7 +278,7 @@ def test_a_wrong_token_is_refused_before_any_pickle(caplog):
 
 
 def test_an_impostor_driver_is_refused_by_the_agent():
-    listener = _channel.AgentListener(("127.0.0.1", 0), b"the-impostor-knows-another-token")
+    listener = AgentListener(("127.0.0.1", 0), b"the-impostor-knows-another-token")
     try:
         with pytest.raises(ConnectionError):
             _channel.connect(listener.address, TOKEN.encode(), timeout=5.0)
@@ -217,6 +307,52 @@ def test_agents_that_never_attach_fail_the_start_after_the_attach_timeout(monkey
         world.close()
 
 
+def test_an_agent_that_fails_to_attach_leaves_nothing_in_tmpdir(private_tmpdir):
+    listener = AgentListener(("127.0.0.1", 0), TOKEN.encode())
+    try:
+        host, port = listener.address
+        torchrun_env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+        agent = subprocess.run(
+            [sys.executable, "-m", "harness.attach", f"--driver={host}:{port}"],
+            env={
+                **os.environ,
+                **torchrun_env,
+                "PYTHONPATH": str(ROOT),
+                _channel.TOKEN_VAR: "not-the-token-0123456789",
+            },
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        listener.close()
+    assert agent.returncode != 0
+    assert "ConnectionError: the peer closed the connection during the handshake" in agent.stderr
+    assert sorted(p.name for p in private_tmpdir.iterdir()) == []
+
+
+def test_where_the_driver_waits_and_a_listener_beyond_loopback_are_warnings(monkeypatch, caplog):
+    """On the torchrun runner's notices logger, which the plugin puts on the terminal."""
+    monkeypatch.setenv(_channel.TOKEN_VAR, TOKEN)
+    monkeypatch.setattr(_channel, "is_loopback", lambda host: False)
+    options = TorchrunOptions(world_size=2, attach_timeout=1.0)
+    world = make_world("torchrun", 2, torchrun=options)
+    try:
+        host, port = world.address
+    finally:
+        world.close()
+    notices = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "distconf.torchrun" and r.levelno == logging.WARNING
+    ]
+    assert f"the torchrun runner listens on {host}:{port}, beyond this machine's" in notices[0]
+    assert notices[1] == (
+        f"distconf: waiting up to 1 s for 2 agents: torchrun ... -m harness.attach --driver "
+        f"{host}:{port}"
+    )
+
+
 @pytest.mark.parametrize(
     ("fields", "expected"),
     [
@@ -237,6 +373,15 @@ def test_agents_started_elsewhere_need_the_token_before_anything_starts(monkeypa
     config = RunConfig(runner="torchrun", world_sizes=(4,), out=tmp_path)
     with pytest.raises(InvalidArgument, match=r"DISTCONF_TOKEN='<unset>' must be a shared"):
         config.check_machine()
+
+
+def test_a_missing_token_is_named_as_the_variable_it_is(monkeypatch, tmp_path, capsys):
+    monkeypatch.delenv(_channel.TOKEN_VAR, raising=False)
+    command = ["run", "--runner", "torchrun", "--world-sizes", "2", "--out", str(tmp_path)]
+    assert cli.main(command) == cli.USAGE_ERROR
+    err = capsys.readouterr().err
+    assert "error: DISTCONF_TOKEN='<unset>' must be a shared secret of at least 16" in err
+    assert "--DISTCONF-TOKEN" not in err
 
 
 # --- the suites --------------------------------------------------------------------------------
@@ -270,3 +415,64 @@ def test_the_suites_on_two_torchrun_nodes_match_the_process_runner(tmp_path):
     expected = _outcomes_by_spec(tmp_path / "processes")
     assert sum(status == "passed" for status in expected.values()) >= 15
     assert _outcomes_by_spec(tmp_path / "torchrun") == expected
+
+
+def test_the_driver_shows_where_it_waits_and_what_it_refused_at_once(tmp_path):
+    """pytest runs the run's tests with its capture on, in a child of ``harness run``: the
+    waiting line and each refusal reach the terminal while the driver waits, and the end
+    record and the report count the refusals."""
+    out = tmp_path / "out"
+    command = [
+        sys.executable, "-m", "harness", "run", "--runner", "torchrun", "--world-sizes", "2",
+        "--attach-timeout", "15", "--suite", "placements", "--profile", "dev", "--seed", "1",
+        "--out", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), _channel.TOKEN_VAR: TOKEN}
+    run = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        for line in run.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    seen: list[str] = []
+
+    def printed(pattern: str, timeout: float) -> re.Match[str]:
+        """The line matching ``pattern``, printed while the run still waits for agents."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                line = lines.get(timeout=0.1)
+                assert line is not None, f"the run ended first:\n{''.join(seen)[-3000:]}"
+                seen.append(line)
+                found = re.search(pattern, line)
+                if found:
+                    assert run.poll() is None, "printed only once the run had ended"
+                    return found
+        raise AssertionError(f"not printed in {timeout} s:\n{''.join(seen)[-3000:]}")
+
+    try:
+        waiting = printed(
+            r"distconf: waiting up to 15 s for 2 agents: torchrun \.\.\. -m harness\.attach "
+            r"--driver (127\.0\.0\.1):(\d+)",
+            timeout=180,
+        )
+        driver = (waiting[1], int(waiting[2]))
+        with pytest.raises(ConnectionError):
+            _channel.connect(driver, b"not-the-token-0123456789", timeout=5.0)
+        printed(
+            r"refused a connection from 127\.0\.0\.1:\d+ to the torchrun listener: wrong token", 10
+        )
+        run.wait(timeout=300)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert run.returncode == 1, "".join(seen)[-3000:]
+    (results,) = out.glob("results*.jsonl")
+    assert read_results(results).end["refused_connections"] == 1
+    assert "the torchrun driver refused 1 connection " in (out / "report.html").read_text()

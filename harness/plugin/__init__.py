@@ -4,9 +4,9 @@ checks, ``-n gpu`` leasing and results recording.
 Registered through the ``pytest11`` entry point (or ``-p harness.plugin``). Its module-level
 hooks declare the options and, at configure time, register one ``DistconfSession``
 (``dsession``) that owns the session's state; each concern lives in its own module:
-``options``, ``gpus``, ``worlds``, ``collection``, ``recording``. It imports no torch at
-import time (torch comes with the first World), and it is inert for tests that neither live
-under the suites directory nor ask for the ``world`` fixture.
+``options``, ``gpus``, ``worlds``, ``collection``, ``recording``, ``notices``. It imports no
+torch at import time (torch comes with the first World), and it is inert for tests that
+neither live under the suites directory nor ask for the ``world`` fixture.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from harness.config import RunConfig
-from harness.plugin import collection, dsession, gpus, options, scheduling
+from harness.plugin import collection, dsession, gpus, notices, options, scheduling
 from harness.plugin.dsession import DistconfSession
 from harness.runners import World, Worlds
 
@@ -55,6 +55,8 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     run = options.run_config(config)
     collection.check_expectations(config)
+    if run.runner == "torchrun":
+        notices.show_on_terminal(config)
     _inject_faults(config, run)
     config.pluginmanager.register(DistconfSession(config, run), dsession.NAME)
     if run.cheap_first:

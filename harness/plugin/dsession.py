@@ -44,7 +44,8 @@ class DistconfSession:
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         self.worlds.close()
         if self.writer is not None:
-            self.writer.close(exitstatus=int(exitstatus), interrupted=self.interrupted)
+            ending = self.worlds.end_fields()
+            self.writer.close(exitstatus=int(exitstatus), interrupted=self.interrupted, **ending)
 
     def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
         """Ctrl-C, SIGINT, or pytest stopping the session (a collection error): the end

@@ -82,6 +82,7 @@ class SessionWorlds:
     def __init__(self, run: RunConfig) -> None:
         self.run = run
         self._cache: WorldCache | None = None
+        self._closed: list[World] = []
 
     @property
     def cache(self) -> WorldCache:
@@ -168,6 +169,21 @@ class SessionWorlds:
         if uses_other_worlds(item):
             self._cache.check_health(self.run.runner, self.run.device)
 
+    def end_fields(self) -> dict[str, int]:
+        """What the session's end record says of its Worlds: on the torchrun runner, the
+        connections its listener refused (``refused_connections``), those while it closed
+        among them."""
+        if self.run.torchrun is None:
+            return {}
+        worlds = self._closed or self._built()
+        return {"refused_connections": sum(getattr(w, "refused_connections", 0) for w in worlds)}
+
+    def _built(self) -> list[World]:
+        if self._cache is None:
+            return []
+        return self._cache.existing(self.run.runner, self.run.device)
+
     def close(self) -> None:
         if self._cache is not None:
+            self._closed = self._built()
             self._cache.close()

@@ -284,6 +284,13 @@ def _file_warnings(source: SourceFile) -> list[str]:
             f"{source.path}: started and recorded no outcome (the session died running it): "
             + ", ".join(source.unfinished)
         )
+    refused = (source.end or {}).get("refused_connections")
+    if refused:
+        warnings.append(
+            f"{source.path}: the torchrun driver refused {refused} connection"
+            f"{'s' if refused != 1 else ''} (wrong token, no handshake or a bad hello; the "
+            "run's output lists them)"
+        )
     injected = (source.header or {}).get("faults")
     if injected:
         warnings.append(

@@ -55,30 +55,51 @@ def agent_info() -> _channel.AgentInfo:
 
 
 def _connect(driver: tuple[str, int], token: bytes, timeout: float) -> Connection:
-    """Connect, retrying while the driver is not listening yet."""
+    """Connect, retrying while the driver is not listening yet or not greeting yet (busy
+    admitting other connections)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             return _channel.connect(driver, token, timeout=_channel.HANDSHAKE_TIMEOUT)
-        except ConnectionRefusedError:
+        except (ConnectionRefusedError, _channel.NoGreeting):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
 
 
+def _use_group_store() -> None:
+    """Where the driver hosts the store of the ranks' groups (the torchrun it started here:
+    on loopback, where torchrun's own would listen on every interface), the rank process
+    meets its peers there, as a client of an agent store, instead of torchrun's."""
+    address = os.environ.get(_channel.GROUP_STORE_VAR)
+    if not address:
+        return
+    host, port = _channel.parse_address(_channel.GROUP_STORE_VAR, address)
+    os.environ.update(
+        MASTER_ADDR=host, MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE=str(True)
+    )
+
+
 class _Supervisor:
     def __init__(self, driver: tuple[str, int], token: bytes, info: _channel.AgentInfo) -> None:
         self.driver, self.token, self.info = driver, token, info
+        self.serial = 0
+        self.child: Any = None
         self.dir = tempfile.mkdtemp(prefix="distconf-agent-")
-        self.control = _connect(driver, token, CONNECT_TIMEOUT)
-        self.control.send_bytes(pickle.dumps(("supervisor", info)))
+        try:
+            self.control = _connect(driver, token, CONNECT_TIMEOUT)
+        except BaseException:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
+        self.files = _rank_process.RankFiles(self.dir, info.rank)
+
+    def attach(self) -> None:
+        """Say who this agent is, and take the driver's settings."""
+        self.control.send_bytes(pickle.dumps(("supervisor", self.info)))
         kind, body = pickle.loads(self.control.recv_bytes())
         if kind != "settings":
             raise SystemExit(f"harness.attach: the driver refused this agent: {body}")
         self.settings: _channel.AgentSettings = body
-        self.serial = 0
-        self.child: Any = None
-        self.files = _rank_process.RankFiles(self.dir, info.rank)
 
     def start_rank(self, generation: int) -> None:
         """A rank process on a new rank connection, joining group ``generation``."""
@@ -165,9 +186,11 @@ class _Supervisor:
             self.child.join()
 
     def close(self) -> None:
-        self.kill_rank()
-        self.control.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            self.kill_rank()
+            self.control.close()
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _leave(signum: int, frame: object) -> None:
@@ -205,8 +228,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun stops its workers with SIGTERM
     signal.signal(signal.SIGTERM, _leave)
+    _use_group_store()
     supervisor = _Supervisor(driver, token, agent_info())
     try:
+        supervisor.attach()
         code = supervisor.serve()
     finally:
         supervisor.close()

@@ -12,6 +12,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from harness.runners import _channel, _rank_process
+from harness.runners._listener import AgentListener
 from harness.runners.base import RankOutcome
 
 START_TIMEOUT = 180.0
@@ -26,7 +27,7 @@ class Inbox:
     """The listener's authenticated arrivals, sorted: agents by rank, rank connections by
     (agent pid, serial)."""
 
-    def __init__(self, listener: _channel.AgentListener, world_size: int) -> None:
+    def __init__(self, listener: AgentListener, world_size: int) -> None:
         self.listener, self.world_size = listener, world_size
         self.agents: dict[int, tuple[_channel.AgentInfo, Connection]] = {}
         self.rank_conns: dict[tuple[int, int], Connection] = {}
@@ -39,7 +40,7 @@ class Inbox:
         hello, conn = arrival
         if not _known_hello(hello):
             conn.close()
-            self.listener.refused.append(f"a peer with the token sent {hello!r:.80}")
+            self.listener.refuse("a peer with the token", f"its hello was {hello!r:.80}")
             return
         if hello[0] == "rank":
             _, info, serial = hello
@@ -51,7 +52,7 @@ class Inbox:
             with contextlib.suppress(OSError):
                 conn.send_bytes(pickle.dumps(("refuse", problem)))
             conn.close()
-            self.listener.refused.append(f"{info.where()}: {problem}")
+            self.listener.refuse(info.where(), problem)
             return
         replaced = self.agents.get(info.rank)
         if replaced is not None:

@@ -3,10 +3,11 @@
 Pickles read from a network are code execution, so no pickle crosses a connection before both
 ends proved they hold the session's token: the driver sends a nonce, the agent answers with
 an HMAC-SHA256 of it under the token and a nonce of its own, the driver answers that one
-(each end's proof names its role, so neither can reflect the other's). A connection that
-fails this is closed, and the driver logs it and keeps it for its attach error. After the
-handshake the socket carries ``multiprocessing.connection`` frames. The channel
-authenticates its peers; it does not encrypt, so run it on a network you trust.
+(each end's proof names its role, so neither can reflect the other's). After the handshake
+the socket carries ``multiprocessing.connection`` frames; the first, the agent's hello, is
+read by an unpickler that builds nothing but an ``AgentInfo``. The driver's end, which
+refuses and logs whatever fails this, is ``_listener``. The channel authenticates its peers;
+it does not encrypt, so run it on a network you trust.
 
 The token comes from ``$DISTCONF_TOKEN`` or a file (``--token-file``); the single-host
 launcher makes one and hands its file to the agents.
@@ -14,31 +15,37 @@ launcher makes one and hands its file to the agents.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
+import io
 import ipaddress
 import logging
 import os
 import pickle
-import queue
 import secrets
 import socket
-import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from harness.errors import WorldStartError, invalid, require
+from harness.errors import invalid, require
 
 TOKEN_VAR = "DISTCONF_TOKEN"
+GROUP_STORE_VAR = "DISTCONF_GROUP_STORE"
+"""``HOST:PORT`` of the store the ranks' groups meet in, where the driver hosts it (the
+torchrun it starts here): the agents use it in place of torchrun's ``MASTER_ADDR``/``PORT``."""
 MIN_TOKEN_CHARS = 16
 HANDSHAKE_TIMEOUT = 10.0
-_MAGIC = b"distconf-attach/1\n"
-_NONCE = 32
-_ACCEPT_POLL = 0.2
+"""Seconds a connection has, from its arrival, to prove the token and send its hello; and
+seconds an agent waits for each of the driver's handshake messages."""
+MAX_HELLO_BYTES = 64 * 1024
+MAGIC = b"distconf-attach/1\n"
+NONCE_BYTES = 32
+PROOF_BYTES = 32
 log = logging.getLogger("distconf.torchrun")
+"""The torchrun runner's notices: where the driver waits, refused connections, a listener
+beyond loopback (warnings: what an operator must see; the plugin puts them on the terminal)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,8 +124,18 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _digest(token: bytes, role: bytes, nonce: bytes) -> bytes:
+def proof(token: bytes, role: bytes, nonce: bytes) -> bytes:
+    """What ``role`` (``b"agent"`` or ``b"driver"``) answers to the other end's ``nonce``."""
     return hmac.new(token, role + nonce, hashlib.sha256).digest()
+
+
+def proves(token: bytes, role: bytes, nonce: bytes, answer: bytes) -> bool:
+    return hmac.compare_digest(answer, proof(token, role, nonce))
+
+
+class NoGreeting(ConnectionError):
+    """The driver took the connection but sent no greeting: it is busy admitting others (the
+    connection waits in its queue) or not ready yet; an agent tries again."""
 
 
 def _receive_exactly(sock: socket.socket, size: int) -> bytes:
@@ -136,13 +153,16 @@ def connect(address: tuple[str, int], token: bytes, timeout: float) -> Connectio
     sock = socket.create_connection(address, timeout=timeout)
     try:
         sock.settimeout(timeout)
-        greeting = _receive_exactly(sock, len(_MAGIC) + _NONCE)
-        if not greeting.startswith(_MAGIC):
+        try:
+            greeting = _receive_exactly(sock, len(MAGIC) + NONCE_BYTES)
+        except (TimeoutError, ConnectionError) as exc:
+            raise NoGreeting(f"{address} sent no greeting ({exc})") from None
+        if not greeting.startswith(MAGIC):
             raise ConnectionError(f"{address} is not a distconf driver")
-        ours = secrets.token_bytes(_NONCE)
-        sock.sendall(_digest(token, b"agent", greeting[len(_MAGIC) :]) + ours)
-        proof = _receive_exactly(sock, 32)
-        if not hmac.compare_digest(proof, _digest(token, b"driver", ours)):
+        ours = secrets.token_bytes(NONCE_BYTES)
+        sock.sendall(proof(token, b"agent", greeting[len(MAGIC) :]) + ours)
+        answer = _receive_exactly(sock, PROOF_BYTES)
+        if not proves(token, b"driver", ours, answer):
             raise ConnectionError(f"the driver at {address} did not prove it holds the token")
         sock.settimeout(None)
         return Connection(sock.detach())
@@ -151,95 +171,20 @@ def connect(address: tuple[str, int], token: bytes, timeout: float) -> Connectio
         raise
 
 
-def _challenge(sock: socket.socket, token: bytes) -> bool:
-    """The driver's end of the handshake: whether the peer proved the token."""
-    sock.settimeout(HANDSHAKE_TIMEOUT)
-    ours = secrets.token_bytes(_NONCE)
-    sock.sendall(_MAGIC + ours)
-    reply = _receive_exactly(sock, 32 + _NONCE)
-    if not hmac.compare_digest(reply[:32], _digest(token, b"agent", ours)):
-        return False
-    sock.sendall(_digest(token, b"driver", reply[32:]))
-    sock.settimeout(None)
-    return True
+class _HelloUnpickler(pickle.Unpickler):
+    """A hello builds tuples, strings, ints and one ``AgentInfo``: no other class is looked
+    up, so loading it runs no code of the sender's choosing."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == (__name__, AgentInfo.__name__):
+            return AgentInfo
+        raise pickle.UnpicklingError(f"it names {module}.{name}, not an AgentInfo")
 
 
-class AgentListener:
-    """The driver's listening socket: every connection authenticated in a thread of its
-    own (a peer that stalls holds only its thread), then its first message (the hello)
-    queued with the connection."""
-
-    def __init__(self, address: tuple[str, int], token: bytes) -> None:
-        self._token = token
-        try:
-            self._socket = socket.create_server(address, backlog=128)
-        except OSError as exc:
-            raise WorldStartError(
-                f"the torchrun runner cannot listen on {address}: {exc}"
-            ) from None
-        self.address: tuple[str, int] = self._socket.getsockname()[:2]
-        self.refused: list[str] = []
-        self._arrivals: queue.Queue[tuple[Any, Connection]] = queue.Queue()
-        self._closed = threading.Event()
-        threading.Thread(target=self._accept, name="distconf-listener", daemon=True).start()
-
-    def next(self, timeout: float) -> tuple[Any, Connection] | None:
-        """The next authenticated connection's hello and the connection, or None."""
-        try:
-            return self._arrivals.get(timeout=max(0.0, timeout))
-        except queue.Empty:
-            return None
-
-    def close(self) -> None:
-        self._closed.set()
-        with contextlib.suppress(OSError):
-            self._socket.close()
-        while True:
-            try:
-                _, conn = self._arrivals.get_nowait()
-            except queue.Empty:
-                return
-            conn.close()
-
-    def _accept(self) -> None:
-        self._socket.settimeout(_ACCEPT_POLL)
-        while not self._closed.is_set():
-            try:
-                sock, peer = self._socket.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return  # closed
-            threading.Thread(
-                target=self._admit, args=(sock, peer), name="distconf-handshake", daemon=True
-            ).start()
-
-    def _admit(self, sock: socket.socket, peer: Any) -> None:
-        who = f"{peer[0]}:{peer[1]}"
-        try:
-            proved = _challenge(sock, self._token)
-        except (OSError, ConnectionError) as exc:
-            self._refuse(sock, who, f"no handshake ({exc})")
-            return
-        if not proved:
-            self._refuse(sock, who, "wrong token")
-            return
-        conn = Connection(sock.detach())
-        try:
-            if not conn.poll(HANDSHAKE_TIMEOUT):
-                raise ConnectionError("no hello")
-            hello = pickle.loads(conn.recv_bytes())
-        except (OSError, EOFError, ConnectionError, pickle.UnpicklingError) as exc:
-            conn.close()
-            self._refuse(None, who, f"no hello after the handshake ({exc})")
-            return
-        if self._closed.is_set():
-            conn.close()
-            return
-        self._arrivals.put((hello, conn))
-
-    def _refuse(self, sock: socket.socket | None, who: str, why: str) -> None:
-        if sock is not None:
-            sock.close()
-        self.refused.append(f"{who}: {why}")
-        log.warning("distconf: refused a connection from %s to the torchrun listener: %s", who, why)
+def load_hello(data: bytes) -> Any:
+    """An agent's first message, unpickled without running anything (``_HelloUnpickler``);
+    what does not load raises ``ValueError`` saying why."""
+    try:
+        return _HelloUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:  # a malformed pickle raises almost any type
+        raise ValueError(f"its hello does not unpickle ({type(exc).__name__}: {exc})") from None

@@ -17,7 +17,6 @@ is ``crashed``, naming the rank, its node and how it ended.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,11 +26,15 @@ from typing import Any
 from harness.errors import WorldStartError, check_int, check_seconds, require
 from harness.runners import _channel
 from harness.runners._attached import START_TIMEOUT, STOP_GRACE, Agents, Dead, Inbox, send
+from harness.runners._listener import AgentListener
 from harness.runners.base import DEFAULT_TIMEOUT, RankOutcome
 from harness.runners.processes import _pickled_call
 from harness.runners.world import PersistentWorld
 
 RUNNER = "torchrun"
+NOTICES = _channel.log.name
+"""The logger of what an operator must see at once (warnings): where the driver waits,
+refused connections, a listener beyond loopback."""
 DEFAULT_LISTEN = "127.0.0.1:0"
 DEFAULT_ATTACH_TIMEOUT = 300.0
 _DEAD_GRACE = 3.0
@@ -132,6 +135,11 @@ class TorchrunWorld(PersistentWorld["Agents | Dead"]):
         )
         return _pickled_call(fn, args)
 
+    @property
+    def refused_connections(self) -> int:
+        """Connections the driver's listener refused so far (none before it listens)."""
+        return 0 if self._inbox is None else self._inbox.listener.refused_count
+
     def _open(self) -> Inbox:
         """The listener (and, when the driver starts torchrun here, torchrun), once."""
         if self._inbox is not None:
@@ -142,7 +150,7 @@ class TorchrunWorld(PersistentWorld["Agents | Dead"]):
             from harness.runners._launch import LocalTorchrun
 
             self._launcher = launcher = LocalTorchrun(options.token_file)
-            listener = _channel.AgentListener(address, launcher.token)
+            listener = AgentListener(address, launcher.token)
             launcher.start(
                 nnodes=options.nnodes,
                 nproc_per_node=int(options.nproc_per_node or 0),
@@ -150,16 +158,24 @@ class TorchrunWorld(PersistentWorld["Agents | Dead"]):
                 driver=listener.address,
             )
         else:
-            listener = _channel.AgentListener(address, _channel.load_token(options.token_file))
+            listener = AgentListener(address, _channel.load_token(options.token_file))
+        host, port = listener.address
         if not _channel.is_loopback(address[0]):
-            _warn_beyond_loopback(listener.address)
+            _channel.log.warning(
+                "distconf: WARNING: the torchrun runner listens on %s:%d, beyond this machine's "
+                "loopback: anyone who can reach it may try to attach. Only agents proving the "
+                "token are served; the channel is not encrypted.",
+                host,
+                port,
+            )
         if not options.launches:
-            host, port = listener.address
-            print(
-                f"distconf: waiting up to {options.attach_timeout:g} s for {self.world_size} "
-                f"agents: torchrun ... -m harness.attach --driver {host}:{port}",
-                file=sys.__stderr__,
-                flush=True,
+            _channel.log.warning(
+                "distconf: waiting up to %g s for %d agents: torchrun ... -m harness.attach "
+                "--driver %s:%d",
+                options.attach_timeout,
+                self.world_size,
+                host,
+                port,
             )
         self._inbox = Inbox(listener, self.world_size)
         return self._inbox
@@ -221,7 +237,10 @@ class TorchrunWorld(PersistentWorld["Agents | Dead"]):
             f"{what} before {self.world_size} agents attached to {host}:{port}: ranks "
             f"{inbox.missing()} missing ({len(inbox.agents)} attached)"
         ]
-        lines += [f"refused: {r}" for r in inbox.listener.refused]
+        listener = inbox.listener
+        lines += [f"refused: {r}" for r in listener.refused]
+        if listener.refused_count > len(listener.refused):
+            lines.append(f"refused: {listener.refused_count - len(listener.refused)} more")
         if launcher is not None:
             lines.append(launcher.story())
         raise _AttachFailed("\n".join(lines))
@@ -286,14 +305,3 @@ class TorchrunWorld(PersistentWorld["Agents | Dead"]):
             if self._launcher is not None:
                 # a node that failed leaves the others in torchrun's exit barrier
                 self._launcher.stop(_DEAD_GRACE if self._dead else STOP_GRACE)
-
-
-def _warn_beyond_loopback(address: tuple[str, int]) -> None:
-    host, port = address
-    print(
-        f"distconf: WARNING: the torchrun runner listens on {host}:{port}, beyond this "
-        "machine's loopback: anyone who can reach it may try to attach. Only agents proving "
-        "the token are served; the channel is not encrypted.",
-        file=sys.__stderr__,
-        flush=True,
-    )
