@@ -1,25 +1,45 @@
 """pytest in a forked child, so that whatever ends it (``os._exit`` in a rank thread, a
-signal, memory) leaves this process alive to read the records and give the verdict.
+signal, memory) leaves this process alive to read the records and
+give the verdict.
 
 Signals: the child leads a process group of its own. Where this process owns the terminal,
 the child's group is made the terminal's foreground group while it runs, so a Ctrl-C reaches
 the child, its xdist workers and rank processes directly, exactly once, and never this
-process; a SIGINT or SIGTERM sent to this process alone (a script, a CI runner) is forwarded
-to the child. Either way pytest sees one interrupt, closes its Worlds and writes the end
-record that says the run was interrupted.
+process; a SIGINT or SIGTERM sent to this process alone (a script, a CI runner, ``timeout``)
+is forwarded to the child's whole group, as the terminal would send it. In every pytest
+process of the run SIGTERM is an interrupt as SIGINT is (``interrupt_on_sigterm``). Either
+way pytest sees one interrupt, closes its Worlds and writes the end record that says the run
+was interrupted; rank processes ignore SIGINT and die of SIGTERM, and their driver, which is
+interrupted at the same moment, removes what they leave.
+
+Temporary files: the child, and every process it starts (xdist workers, multiprocessing's
+fork server, rank processes, torchrun), has a directory of the run's own as its temporary
+directory (``TMPDIR``). Once the child ended, however it ended, this process kills what is
+left of the child's process group and removes that directory: a run leaves nothing in the
+temporary directory it was given.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import sys
-from collections.abc import Iterator, Sequence
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 _PR_SET_PDEATHSIG = 1
 _INTERNAL_ERROR = 3
 """pytest's exit code for an internal error: the child's, should ``pytest.main`` raise."""
+_INTERRUPTED = 2
+"""pytest's exit code for an interrupted session: the child's, should one come before pytest
+runs a session."""
+_POLL = 0.2
+SignalHandler = Callable[[int, Any], Any] | int | None
 
 
 def run_pytest(arguments: Sequence[str]) -> int:
@@ -27,24 +47,58 @@ def run_pytest(arguments: Sequence[str]) -> int:
     ended it)."""
     import pytest
 
-    sys.stdout.flush()
-    sys.stderr.flush()
-    child = os.fork()
-    if child == 0:
-        code = _INTERNAL_ERROR
-        try:
-            os.setpgid(0, 0)
-            _end_with_parent()
-            code = int(pytest.main(list(arguments)))
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    with contextlib.suppress(OSError):  # the child may already have done it, or exited
-        os.setpgid(child, child)
-    with _forwarding_signals(child), _terminal_given_to(child):
-        _, status = os.waitpid(child, 0)  # retried after each forwarded signal (PEP 475)
+    temporary = tempfile.mkdtemp(prefix="distconf-run-")
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        child = os.fork()
+        if child == 0:
+            _run_child(lambda: int(pytest.main(list(arguments))), temporary)
+        with contextlib.suppress(OSError):  # the child may already have done it, or exited
+            os.setpgid(child, child)
+        with _forwarding_signals(child), _terminal_given_to(child):
+            status = _wait(child)
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
     return os.waitstatus_to_exitcode(status)
+
+
+def _run_child(main: Callable[[], int], temporary: str) -> None:
+    code = _INTERNAL_ERROR
+    try:
+        os.setpgid(0, 0)
+        interrupt_on_sigterm()
+        _end_with_parent()
+        os.environ["TMPDIR"] = tempfile.tempdir = temporary
+        code = main()
+    except KeyboardInterrupt:
+        code = _INTERRUPTED
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # os._exit runs no exit handlers (multiprocessing's among them): the run's temporary
+        # directory goes here too, should this process's parent be gone.
+        shutil.rmtree(temporary, ignore_errors=True)
+        os._exit(code)
+
+
+def interrupt_on_sigterm() -> SignalHandler:
+    """From now on, in this process: the first SIGTERM raises ``KeyboardInterrupt`` in the
+    main thread, as SIGINT does (pytest closes its Worlds and records the interrupt); a later
+    one changes nothing, the interrupt being under way (a SIGTERM sent to every process of a
+    run reaches a pytest process twice: directly, and forwarded by ``harness run``). The
+    handler it replaced; None, and nothing done, outside the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    received = False
+
+    def interrupt(signum: int, _frame: object) -> None:
+        nonlocal received
+        if not received:
+            received = True
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    return signal.signal(signal.SIGTERM, interrupt)
 
 
 def _end_with_parent() -> None:
@@ -61,11 +115,41 @@ def _end_with_parent() -> None:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _wait(child: int) -> int:
+    """The child's wait status, once it exited and what remains of its group was killed."""
+    while True:
+        status = _reap(child)
+        if status is not None:
+            return status
+        time.sleep(_POLL)
+
+
+def _reap(child: int) -> int | None:
+    """The child's wait status once it exited (the rest of its group killed first), else
+    None. Where ``waitid`` can leave the child unreaped, its group is killed while the
+    child's zombie still holds the group's ID, which no other group can then take."""
+    if hasattr(os, "waitid"):
+        if os.waitid(os.P_PID, child, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+            return None
+        _kill_group(child)
+        return os.waitpid(child, 0)[1]
+    pid, status = os.waitpid(child, os.WNOHANG)
+    if pid == 0:
+        return None
+    _kill_group(child)
+    return status
+
+
+def _kill_group(group: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(group, signal.SIGKILL)
+
+
 @contextlib.contextmanager
 def _forwarding_signals(child: int) -> Iterator[None]:
     def forward(signum: int, _frame: object) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child, signum)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child, signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
