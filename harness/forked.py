@@ -1,5 +1,5 @@
 """pytest in a forked child, so that whatever ends it (``os._exit`` in a rank thread, a
-signal, memory) leaves this process alive to read the records and
+signal, memory, this process's deadline) leaves this process alive to read the records and
 give the verdict.
 
 Signals: the child leads a process group of its own. Where this process owns the terminal,
@@ -12,6 +12,13 @@ way pytest sees one interrupt, closes its Worlds and writes the end record that 
 was interrupted; rank processes ignore SIGINT and die of SIGTERM, and their driver, which is
 interrupted at the same moment, removes what they leave.
 
+Deadline: pytest-timeout ends a test that runs past the test timeout, from inside the child,
+and cannot where no Python code runs (a rank thread stuck in C code holding the GIL, a
+deadlock). This process reads the ``start`` records of the child's results files as they are
+written: when a test has run ``test_timeout`` + ``KILL_GRACE`` seconds, it kills the child's
+process group and appends a ``killed`` record to that test's results file, which the verdict
+reads ("crashed while running X", and why).
+
 Temporary files: the child, and every process it starts (xdist workers, multiprocessing's
 fork server, rank processes, torchrun), has a directory of the run's own as its temporary
 directory (``TMPDIR``). Once the child ended, however it ended, this process kills what is
@@ -22,6 +29,7 @@ temporary directory it was given.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -30,7 +38,11 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from harness import results
 
 _PR_SET_PDEATHSIG = 1
 _INTERNAL_ERROR = 3
@@ -38,15 +50,25 @@ _INTERNAL_ERROR = 3
 _INTERRUPTED = 2
 """pytest's exit code for an interrupted session: the child's, should one come before pytest
 runs a session."""
+KILL_GRACE = 30.0
+"""Seconds a test may run past the test timeout before this process ends the child: time for
+pytest-timeout's own expiry to fail the test and for its teardown."""
 _POLL = 0.2
+RESULTS_GLOB = "results*.jsonl"
 SignalHandler = Callable[[int, Any], Any] | int | None
 
 
-def run_pytest(arguments: Sequence[str]) -> int:
+def run_pytest(
+    arguments: Sequence[str], *, results_dir: Path | None = None, test_timeout: float = 0.0
+) -> int:
     """``pytest.main(arguments)`` in a forked child; its exit code (negative: the signal that
-    ended it)."""
+    ended it). With ``results_dir`` and a ``test_timeout`` (0: none), a test that runs past it
+    and ``KILL_GRACE`` in the results files there ends the child's process group."""
     import pytest
 
+    deadline = None
+    if results_dir is not None and test_timeout > 0:
+        deadline = _TestDeadline(results_dir, test_timeout)
     temporary = tempfile.mkdtemp(prefix="distconf-run-")
     try:
         sys.stdout.flush()
@@ -57,7 +79,7 @@ def run_pytest(arguments: Sequence[str]) -> int:
         with contextlib.suppress(OSError):  # the child may already have done it, or exited
             os.setpgid(child, child)
         with _forwarding_signals(child), _terminal_given_to(child):
-            status = _wait(child)
+            status = _wait(child, deadline)
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
     return os.waitstatus_to_exitcode(status)
@@ -115,13 +137,23 @@ def _end_with_parent() -> None:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _wait(child: int) -> int:
-    """The child's wait status, once it exited and what remains of its group was killed."""
+def _wait(child: int, deadline: _TestDeadline | None) -> int:
+    """The child's wait status, once it exited and what remains of its group was killed;
+    meanwhile, the child's group is killed when a test runs past the deadline."""
+    overdue: list[_Running] = []
     while True:
         status = _reap(child)
         if status is not None:
-            return status
+            break
+        if deadline is not None and not overdue:
+            overdue = deadline.overdue()
+            if overdue:
+                deadline.announce(overdue)
+                _kill_group(child)
         time.sleep(_POLL)
+    if deadline is not None:
+        deadline.record(overdue)  # now that nothing of the child writes to its files
+    return status
 
 
 def _reap(child: int) -> int | None:
@@ -143,6 +175,83 @@ def _reap(child: int) -> int | None:
 def _kill_group(group: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(group, signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class _Running:
+    path: Path
+    nodeid: str
+    seconds: float
+
+
+@dataclass
+class _Progress:
+    """How far this process read one results file, and the test running there since when
+    (this process's clock: when it first read the test's ``start`` record)."""
+
+    offset: int = 0
+    running: str | None = None
+    since: float = 0.0
+
+
+@dataclass
+class _TestDeadline:
+    """The test timeout, read off the results files in ``directory`` as they grow."""
+
+    directory: Path
+    test_timeout: float
+    progress: dict[Path, _Progress] = field(default_factory=dict)
+
+    def overdue(self) -> list[_Running]:
+        """The tests that have run past the test timeout and the grace."""
+        now = time.monotonic()
+        found = []
+        for path in sorted(self.directory.glob(RESULTS_GLOB)):
+            progress = self.progress.setdefault(path, _Progress())
+            self._read(path, progress, now)
+            seconds = now - progress.since
+            if progress.running is not None and seconds > self.test_timeout + KILL_GRACE:
+                found.append(_Running(path, progress.running, seconds))
+        return found
+
+    def announce(self, overdue: list[_Running]) -> None:
+        for running in overdue:
+            print(
+                f"distconf: {running.nodeid} has run {running.seconds:.0f} s, past "
+                f"--test-timeout={self.test_timeout:g} s and {KILL_GRACE:g} s of grace, and "
+                "pytest-timeout did not end it: killing pytest's processes",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def record(self, overdue: list[_Running]) -> None:
+        for running in overdue:
+            results.record_kill(
+                running.path,
+                nodeid=running.nodeid,
+                seconds=round(running.seconds, 1),
+                test_timeout=self.test_timeout,
+                grace=KILL_GRACE,
+            )
+
+    @staticmethod
+    def _read(path: Path, progress: _Progress, now: float) -> None:
+        try:
+            with path.open("rb") as handle:
+                handle.seek(progress.offset)
+                data = handle.read()
+        except OSError:
+            return
+        complete = data[: data.rfind(b"\n") + 1]
+        progress.offset += len(complete)
+        for line in complete.splitlines():
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                kind = record.get("kind") if isinstance(record, dict) else None
+                if kind == "start":
+                    progress.running, progress.since = str(record.get("nodeid")), now
+                elif kind in ("test", "end"):
+                    progress.running = None
 
 
 @contextlib.contextmanager

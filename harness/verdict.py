@@ -9,7 +9,8 @@ kind            exit  when
 ==============  ====  ========================================================================
 ``interrupted``    2  a session ended by an interrupt (Ctrl-C, SIGINT, a collection error)
 ``crashed``        3  a results file has no end record: its process died (``os._exit``, a
-                      signal, memory); the tests it was running are named
+                      signal, memory, or ``harness run`` killed it past a test's timeout);
+                      the tests it was running are named, and why it was killed
 ``fail``           1  a test failed where no deviation is known (``harness.triage``: new)
 ``changed``        6  a spec with a known deviation failed otherwise than the deviation does
 ``fixed``          7  a known deviation did not happen: its expectation must be updated
@@ -57,10 +58,18 @@ class FileState:
     end: dict[str, Any] | None
     unfinished: tuple[str, ...]
     bad_lines: int
+    killed: tuple[dict[str, Any], ...] = ()
+    """``harness run`` killed the session: its test ran past the timeout (``killed``)."""
 
     @classmethod
     def of(cls, path: str, results: Results) -> FileState:
-        return cls(path, results.end, tuple(results.unfinished), len(results.bad_lines))
+        return cls(
+            path,
+            results.end,
+            tuple(results.unfinished),
+            len(results.bad_lines),
+            tuple(results.killed),
+        )
 
     @property
     def interrupted(self) -> bool:
@@ -143,9 +152,24 @@ def run_verdict(files: Sequence[FileState], outcomes: Sequence[Outcome]) -> RunV
 def _crash_headline(crashed: Sequence[FileState]) -> str:
     running = [nodeid for f in crashed for nodeid in f.unfinished]
     files = ", ".join(f.path for f in crashed)
+    kills = "".join(f": {describe_kill(k)}" for f in crashed for k in f.killed)
     if running:
-        return f"Crashed while running {', '.join(running)} (no end record in {files})"
-    return f"Crashed: no end record in {files}; the session died between tests"
+        return f"Crashed while running {', '.join(running)} (no end record in {files}){kills}"
+    return f"Crashed: no end record in {files}; the session died between tests{kills}"
+
+
+def describe_kill(killed: dict[str, Any]) -> str:
+    """What a ``killed`` record says happened."""
+    return (
+        f"harness run killed its processes {_seconds(killed.get('seconds'))} s into "
+        f"{killed.get('nodeid')}, past --test-timeout={_seconds(killed.get('test_timeout'))} s "
+        f"and {_seconds(killed.get('grace'))} s of grace (pytest-timeout could not end the test: "
+        "stuck where no Python code runs, such as C code holding the GIL, or a deadlock)"
+    )
+
+
+def _seconds(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, int | float) else "?"
 
 
 def _problems(outcomes: Sequence[Outcome]) -> list[str]:

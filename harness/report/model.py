@@ -278,7 +278,11 @@ def verdict(loaded: Loaded, covered: str) -> Verdict:
     """``harness.verdict``'s reading of the run, with what the specs covered."""
     states = [
         FileState(
-            f.path, dict(f.end) if f.end is not None else None, f.unfinished, len(f.bad_lines)
+            f.path,
+            dict(f.end) if f.end is not None else None,
+            f.unfinished,
+            len(f.bad_lines),
+            tuple(map(dict, f.killed)),
         )
         for f in loaded.files
     ]

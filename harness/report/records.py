@@ -110,6 +110,8 @@ class SourceFile:
     replaced_bytes: bool
     unfinished: tuple[str, ...] = ()
     """Tests that started and recorded no outcome: the session died running them."""
+    killed: tuple[Mapping[str, Any], ...] = ()
+    """``harness run`` killed the session past a test's timeout (``killed`` records)."""
 
 
 @dataclass(frozen=True)
@@ -300,6 +302,7 @@ def load(paths: Sequence[Path]) -> Loaded:
             bad_lines=tuple(results.bad_lines),
             replaced_bytes=results.replaced_bytes,
             unfinished=tuple(results.unfinished),
+            killed=tuple(results.killed),
         )
         files.append(source)
         warnings += _file_warnings(source)
