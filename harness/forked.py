@@ -23,7 +23,8 @@ Temporary files: the child, and every process it starts (xdist workers, multipro
 fork server, rank processes, torchrun), has a directory of the run's own as its temporary
 directory (``TMPDIR``). Once the child ended, however it ended, this process kills what is
 left of the child's process group and removes that directory: a run leaves nothing in the
-temporary directory it was given.
+temporary directory it was given. Should this process be killed outright, a stand-in in the
+child's group interrupts the run, then does the same (``_end_with_parent``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import shutil
 import signal
 import sys
@@ -44,7 +46,6 @@ from typing import Any
 
 from harness import results
 
-_PR_SET_PDEATHSIG = 1
 _INTERNAL_ERROR = 3
 """pytest's exit code for an internal error: the child's, should ``pytest.main`` raise."""
 _INTERRUPTED = 2
@@ -53,6 +54,9 @@ runs a session."""
 KILL_GRACE = 30.0
 """Seconds a test may run past the test timeout before this process ends the child: time for
 pytest-timeout's own expiry to fail the test and for its teardown."""
+ORPHAN_GRACE = 60.0
+"""Seconds an orphaned run (``harness run`` killed outright) has to end once interrupted,
+before what is left of it is killed."""
 _POLL = 0.2
 RESULTS_GLOB = "results*.jsonl"
 SignalHandler = Callable[[int, Any], Any] | int | None
@@ -73,9 +77,10 @@ def run_pytest(
     try:
         sys.stdout.flush()
         sys.stderr.flush()
+        parent = os.getpid()
         child = os.fork()
         if child == 0:
-            _run_child(lambda: int(pytest.main(list(arguments))), temporary)
+            _run_child(lambda: int(pytest.main(list(arguments))), parent, temporary)
         with contextlib.suppress(OSError):  # the child may already have done it, or exited
             os.setpgid(child, child)
         with _forwarding_signals(child), _terminal_given_to(child):
@@ -85,12 +90,12 @@ def run_pytest(
     return os.waitstatus_to_exitcode(status)
 
 
-def _run_child(main: Callable[[], int], temporary: str) -> None:
+def _run_child(main: Callable[[], int], parent: int, temporary: str) -> None:
     code = _INTERNAL_ERROR
     try:
         os.setpgid(0, 0)
         interrupt_on_sigterm()
-        _end_with_parent()
+        _end_with_parent(parent, temporary)
         os.environ["TMPDIR"] = tempfile.tempdir = temporary
         code = main()
     except KeyboardInterrupt:
@@ -98,9 +103,6 @@ def _run_child(main: Callable[[], int], temporary: str) -> None:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        # os._exit runs no exit handlers (multiprocessing's among them): the run's temporary
-        # directory goes here too, should this process's parent be gone.
-        shutil.rmtree(temporary, ignore_errors=True)
         os._exit(code)
 
 
@@ -123,18 +125,59 @@ def interrupt_on_sigterm() -> SignalHandler:
     return signal.signal(signal.SIGTERM, interrupt)
 
 
-def _end_with_parent() -> None:
+def _end_with_parent(parent: int, temporary: str) -> None:
     """A group of its own takes the child out of reach of a kill aimed at the parent's group
-    (a CI timeout's SIGKILL): on Linux, the child is sent SIGTERM when its parent dies."""
-    if not sys.platform.startswith("linux"):
+    (a CI timeout's SIGKILL). So a stand-in for the parent, forked into the child's group,
+    waits for the parent or the child to end. Should the parent go first, it interrupts the
+    child's group (SIGTERM) and, once the child ended or ``ORPHAN_GRACE`` passed (where no
+    Python code runs, nothing ends on its own), removes the run's temporary directory and
+    kills the group, itself last: while it lives, no other group can take the group's ID."""
+    group = os.getpid()
+    if os.fork() != 0:
         return
-    import ctypes
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)  # the run's interrupts are not the stand-in's
+        if parent in _ended([parent, group], None):
+            _kill_group(group, signal.SIGTERM)
+            _ended([group], ORPHAN_GRACE)
+            shutil.rmtree(temporary, ignore_errors=True)
+            _kill_group(group)
+    finally:
+        os._exit(0)
 
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() == 1:  # the parent died before prctl took effect
-            os.kill(os.getpid(), signal.SIGTERM)
+
+def _ended(pids: Sequence[int], timeout: float | None) -> set[int]:
+    """Which of ``pids`` ended, once one has or ``timeout`` seconds (None: no limit) passed."""
+    if hasattr(os, "pidfd_open"):  # Linux: no polling, no pid reuse
+        handles, ended = {}, set()
+        for pid in pids:
+            try:
+                handles[os.pidfd_open(pid)] = pid
+            except ProcessLookupError:
+                ended.add(pid)
+        try:
+            if not ended:
+                ready, _, _ = select.select(list(handles), [], [], timeout)
+                ended = {handles[handle] for handle in ready}
+        finally:
+            for handle in handles:
+                os.close(handle)
+        return ended
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while all(map(_alive, pids)) and (deadline is None or time.monotonic() < deadline):
+        time.sleep(_POLL)
+    return {pid for pid in pids if not _alive(pid)}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _wait(child: int, deadline: _TestDeadline | None) -> int:
@@ -172,9 +215,9 @@ def _reap(child: int) -> int | None:
     return status
 
 
-def _kill_group(group: int) -> None:
+def _kill_group(group: int, how: signal.Signals = signal.SIGKILL) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(group, signal.SIGKILL)
+        os.killpg(group, how)
 
 
 @dataclass(frozen=True)
