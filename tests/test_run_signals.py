@@ -36,6 +36,14 @@ import time
 from pathlib import Path
 
 
+def _its_rank(ctx):
+    return ctx.rank
+
+
+def test_passes(world):
+    assert world.run(_its_rank) == [0, 1]
+
+
 def _mark_and_stay(ctx):
     Path(os.environ["DRILL_MARKS"], f"{os.getpid()}-{threading.get_ident()}").touch()
     time.sleep(600)
@@ -162,6 +170,15 @@ def _assert_nothing_left(drill: Path) -> None:
 linux_only = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="lists the run's processes from /proc (Linux)"
 )
+
+
+@linux_only
+def test_a_passing_process_runner_run_leaves_nothing_behind(drill):
+    """multiprocessing's fork server directory (pymp-*) was left after every such run."""
+    run = _start(drill, "processes", "--jobs", "1", select="passes")
+    output, _ = run.communicate(timeout=STOP_WITHIN)
+    assert run.returncode == 0, output[-3000:]
+    _assert_nothing_left(drill)
 
 
 @linux_only
