@@ -15,6 +15,9 @@ A results file is one JSON object per line, each with a ``kind``:
 - ``end`` (last, only when the session finished): ``finished``, ``duration``, ``exitstatus``
   (pytest's), when the session was interrupted, ``interrupted`` (why) and, on the torchrun
   runner, ``refused_connections`` (how many its driver's listener refused).
+- ``killed`` (after the last, written by ``harness run``, never by pytest): the session's
+  processes were killed because the test ``nodeid`` had run ``seconds``, past the
+  ``test_timeout`` and the ``grace`` that follows it (``harness.forked``).
 
 Every record is flushed as it is written, so a run that is interrupted or crashes keeps every
 record written before; a missing ``end`` record tells the reader so. ``read_results`` is the
@@ -229,6 +232,8 @@ class Results:
     """Some bytes were not UTF-8 and were read as U+FFFD."""
     started: list[str] = field(default_factory=list)
     """The node IDs of the ``start`` records, in order."""
+    killed: list[dict[str, Any]] = field(default_factory=list)
+    """The ``killed`` records: ``harness run`` ended the session past a test's timeout."""
 
     @property
     def unfinished(self) -> list[str]:
@@ -257,7 +262,7 @@ def read_results(path: Path) -> Results:
         text, replaced = raw.decode("utf-8"), False
     except UnicodeDecodeError:
         text, replaced = raw.decode("utf-8", errors="replace"), True
-    header, end, tests, bad, started = None, None, [], [], []
+    header, end, tests, bad, started, killed = None, None, [], [], [], []
     for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
@@ -275,6 +280,16 @@ def read_results(path: Path) -> Results:
             tests.append(record)
         elif kind == "start" and isinstance(record.get("nodeid"), str):
             started.append(record["nodeid"])
+        elif kind == "killed":
+            killed.append(record)
         else:
             bad.append(number)
-    return Results(header, tests, end, bad, replaced, started)
+    return Results(header, tests, end, bad, replaced, started, killed)
+
+
+def record_kill(path: Path, **fields: Any) -> None:
+    """Append a ``killed`` record to ``path`` (whose session's processes are gone)."""
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write(json.dumps({"kind": "killed", **fields}, default=str) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())

@@ -117,7 +117,11 @@ def run(config: RunConfig, *, extra: Sequence[str] = ()) -> int:
     config.check_machine()
     config = with_seed(config)
     keep_earlier(config.out)
-    exit_code = forked.run_pytest(pytest_arguments(config, extra=extra))
+    exit_code = forked.run_pytest(
+        pytest_arguments(config, extra=extra),
+        results_dir=config.out,
+        test_timeout=config.test_timeout,
+    )
     files = sorted(config.out.glob("results*.jsonl"))
     if not files:
         print(

@@ -9,7 +9,8 @@ kind            exit  when
 ==============  ====  ========================================================================
 ``interrupted``    2  a session ended by an interrupt (Ctrl-C, SIGINT, a collection error)
 ``crashed``        3  a results file has no end record: its process died (``os._exit``, a
-                      signal, memory); the tests it was running are named. Or its session
+                      signal, memory, or ``harness run`` killed it past a test's timeout);
+                      the tests it was running are named, and why it was killed. Or its session
                       did not run to its end: pytest's exit status is none of those of a
                       session that did (``RAN_TO_ITS_END``: OK, TESTS_FAILED,
                       NO_TESTS_COLLECTED), as after an INTERNALERROR or a usage error
@@ -87,6 +88,8 @@ class FileState:
     bad_lines: int
     schema_problem: str | None = None
     """``Results.schema_problem``: why its records may mean otherwise."""
+    killed: tuple[dict[str, Any], ...] = ()
+    """``harness run`` killed the session: its test ran past the timeout (``killed``)."""
 
     @classmethod
     def of(cls, path: str, results: Results) -> FileState:
@@ -96,6 +99,7 @@ class FileState:
             tuple(results.unfinished),
             len(results.bad_lines),
             results.schema_problem,
+            tuple(results.killed),
         )
 
     @property
@@ -262,10 +266,25 @@ def _crash_headline(crashed: Sequence[FileState]) -> str:
     died = [f.path for f in crashed if f.end is None]
     why = [f"no end record in {', '.join(died)}"] if died else []
     why += [f"{f.cut_short} in {f.path}" for f in crashed if f.cut_short]
+    kills = "".join(f": {describe_kill(k)}" for f in crashed for k in f.killed)
     if running:
-        return f"Crashed while running {', '.join(running)} ({'; '.join(why)})"
+        return f"Crashed while running {', '.join(running)} ({'; '.join(why)}){kills}"
     after = "the session died between tests" if died else "the run did not finish"
-    return f"Crashed: {'; '.join(why)}; {after}"
+    return f"Crashed: {'; '.join(why)}; {after}{kills}"
+
+
+def describe_kill(killed: dict[str, Any]) -> str:
+    """What a ``killed`` record says happened."""
+    return (
+        f"harness run killed its processes {_seconds(killed.get('seconds'))} s into "
+        f"{killed.get('nodeid')}, past --test-timeout={_seconds(killed.get('test_timeout'))} s "
+        f"and {_seconds(killed.get('grace'))} s of grace (pytest-timeout could not end the test: "
+        "stuck where no Python code runs, such as C code holding the GIL, or a deadlock)"
+    )
+
+
+def _seconds(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, int | float) else "?"
 
 
 def _problems(outcomes: Sequence[Outcome]) -> list[str]:

@@ -280,24 +280,42 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("ending", ["exit", "hang"])
-def test_no_rank_process_outlives_its_driver(tmp_path, ending):
-    """Ranks exit when the driver exits normally, and when it is killed outright."""
+def test_no_rank_process_outlives_its_driver(ending):
+    """Ranks exit when the driver exits normally without closing its World, and when it is
+    killed outright; the World's directory goes either way."""
+    import shutil
     import subprocess
+    import tempfile
 
-    script = tmp_path / "driver.py"
-    script.write_text(DRIVER)
-    driver = subprocess.Popen(
-        [sys.executable, str(script), ending],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
-    pids = [int(p) for p in driver.stdout.readline().split()]
-    assert len(pids) == 2
-    if ending == "hang":
-        driver.kill()
-    driver.wait(60)
-    assert _wait_gone(pids, 10) == []
+    # short: the fork server's socket in it must fit an AF_UNIX path
+    tmp = tempfile.mkdtemp(prefix="dc-")
+    try:
+        script = os.path.join(tmp, "driver.py")
+        with open(script, "w") as handle:
+            handle.write(DRIVER)
+        os.mkdir(os.path.join(tmp, "tmp"))
+        driver = subprocess.Popen(
+            [sys.executable, script, ending],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(sys.path),
+                "TMPDIR": os.path.join(tmp, "tmp"),
+            },
+        )
+        pids = [int(p) for p in driver.stdout.readline().split()]
+        assert len(pids) == 2
+        if ending == "hang":
+            driver.kill()
+        driver.wait(60)
+        assert _wait_gone(pids, 10) == []
+        left = os.listdir(os.path.join(tmp, "tmp"))
+        assert [name for name in left if name.startswith("distconf-")] == []
+        if ending == "exit":  # multiprocessing's own directory goes at a normal exit only
+            assert [name for name in left if name.startswith("pymp-")] == []
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _released_rank_raises_while_unwinding(ctx):

@@ -6,12 +6,14 @@
 from __future__ import annotations
 
 import functools
+import signal
 import time
 from typing import Any
 
 import pytest
 from hypothesis import settings
 
+from harness import forked
 from harness.config import RunConfig
 from harness.plugin import collection, deviations, gpus, options, recording, scheduling, state
 from harness.plugin.worlds import SessionWorlds
@@ -30,6 +32,16 @@ class DistconfSession:
         self.worlds = SessionWorlds(run)
         self.writer: ResultsWriter | None = None
         self.interrupted: str | None = None
+        self._sigterm: forked.SignalHandler = None
+
+    def pytest_configure(self, config: pytest.Config) -> None:
+        """SIGTERM interrupts the session as Ctrl-C does, in every pytest process of a run
+        (xdist's workers start as new programs: ``harness run``'s handler is not theirs)."""
+        self._sigterm = forked.interrupt_on_sigterm()
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        if self._sigterm is not None:
+            signal.signal(signal.SIGTERM, self._sigterm)
 
     @functools.cached_property
     def backend(self) -> str:
@@ -48,8 +60,8 @@ class DistconfSession:
             self.writer.close(exitstatus=int(exitstatus), interrupted=self.interrupted, **ending)
 
     def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
-        """Ctrl-C, SIGINT, or pytest stopping the session (a collection error): the end
-        record says so, whatever pytest's exit code."""
+        """Ctrl-C, SIGINT, SIGTERM, or pytest stopping the session (a collection error): the
+        end record says so, whatever pytest's exit code."""
         self.interrupted = str(excinfo.value) or excinfo.typename
 
     def pytest_runtest_logstart(self, nodeid: str) -> None:

@@ -22,6 +22,7 @@ import os
 import pickle
 import re
 import select
+import shutil
 import signal
 import socket
 import stat
@@ -67,6 +68,9 @@ PLUGIN_FAILURE = "importing the --backend-plugin modules in the rank"
 _GROUP_TIMEOUT = timedelta(hours=2)
 _STORE_TIMEOUT = timedelta(minutes=5)
 _STACK_WAIT = 1.0
+_OWNER_WAIT = 2.0
+"""Seconds a rank whose driver is gone waits to see whether the owner of its directory went
+too (the same process, but for torchrun's ranks: their agent)."""
 _STDERR_LINES = 20
 
 
@@ -356,7 +360,7 @@ def in_collective(stack: str) -> bool:
 def main(config: RankConfig, conn: Connection) -> None:
     """Entry point of a rank process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
-    _exit_with_parent(config.parent_pid)
+    owner_watch = _exit_with_parent(config.parent_pid, config.directory)
     _redirect_stderr(stderr_path(config.directory, config.rank))
     if config.gloo_interface:
         # gloo reads it when a group is made: its sockets bind to this interface's address
@@ -378,23 +382,30 @@ def main(config: RankConfig, conn: Connection) -> None:
         conn.send_bytes(pickle.dumps(("ready", error_outcome(config.rank, exc, keep=False))))
         return
     conn.send_bytes(pickle.dumps(("ready", RankOutcome(config.rank, "ok"))))
-    rank.serve(conn)
+    if rank.serve(conn) == "driver gone":
+        # Gone with the directory's owner (the process runner's driver, killed outright)?
+        # Then the watch removes the directory and ends this process in a moment.
+        owner_watch.join(_OWNER_WAIT)
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """A rank never outlives its driver, even when it is stuck in a collective. (The driver
-    is not the rank's parent: the forkserver is.)"""
+def _exit_with_parent(parent_pid: int, directory: str) -> threading.Thread:
+    """A rank never outlives its driver, even when it is stuck in a collective, and removes
+    the directory its driver can no longer remove (killed outright, say). (The driver is not
+    the rank's parent: the forkserver is.)"""
 
     def watch() -> None:
         if hasattr(os, "pidfd_open"):  # Linux: no polling, no pid reuse
             with contextlib.suppress(ProcessLookupError):
                 select.select([os.pidfd_open(parent_pid)], [], [])  # readable at its exit
-            os._exit(1)
-        while _alive(parent_pid):
-            time.sleep(0.5)
+        else:
+            while _alive(parent_pid):
+                time.sleep(0.5)
+        shutil.rmtree(directory, ignore_errors=True)
         os._exit(1)
 
-    threading.Thread(target=watch, name="distconf-parent-watch", daemon=True).start()
+    watcher = threading.Thread(target=watch, name="distconf-parent-watch", daemon=True)
+    watcher.start()
+    return watcher
 
 
 def _alive(pid: int) -> bool:
@@ -480,16 +491,17 @@ class _Rank:
             self._base_store, _, _ = next(rendezvous("env://", timeout=_STORE_TIMEOUT))
         return c10d.PrefixStore(f"distconf/{config.round}/{generation}/", self._base_store)
 
-    def serve(self, conn: Connection) -> None:
+    def serve(self, conn: Connection) -> str:
+        """Calls and control messages until the driver says stop; how it ended."""
         self.driver_fd = conn.fileno()
         while True:
             try:
                 kind, body = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
-                return  # the driver is gone
+                return "driver gone"
             if kind == "stop":
                 self.leave()
-                return
+                return "stopped"
             if kind == "call":
                 reply = ("call", self.execute(body))
             else:

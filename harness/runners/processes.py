@@ -34,8 +34,10 @@ FileStore in the pool's directory, so no rank listens beyond this machine. A
 ``GLOO_SOCKET_IFNAME`` in the driver's environment when a pool starts (an interface name, or
 several separated by commas) is passed to the ranks instead.
 
-An interrupt (Ctrl-C) while ranks start, serve a call, are repaired, are health-checked or
-are closed kills the pool's processes and removes its directory before it propagates.
+An interrupt (Ctrl-C; SIGTERM in a pytest run) while ranks start, serve a call, are repaired,
+are health-checked or are closed kills the pool's processes and removes its directory before
+it propagates. A pool whose World was never closed has its directory removed when the driver
+exits, and one whose driver was killed outright by its ranks as they end.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import shutil
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -116,6 +119,9 @@ class _Pool:
         self.retryable = True
         """False once a rank died before its entry point: starting again would fail alike."""
         self.dir = tempfile.mkdtemp(prefix="distconf-world-")
+        # A pool never killed (a driver script that never closed its World) is removed when
+        # the driver exits; its rank processes are multiprocessing's to end then.
+        self._remove_dir = weakref.finalize(self, shutil.rmtree, self.dir, ignore_errors=True)
         self.files = [_rank_process.RankFiles(self.dir, rank) for rank in range(world_size)]
 
     @property
@@ -168,7 +174,7 @@ class _Pool:
             process.join(_REAP_WAIT)
         for conn in self.conns:
             conn.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self._remove_dir()
 
     def stop(self, grace: float = _CONTROL_TIMEOUT) -> None:
         """Ask every rank to leave (barrier, destroy the group, exit); kill what remains. A
