@@ -16,8 +16,9 @@ import pytest
 from hypothesis import Phase, settings
 from hypothesis.errors import UnsatisfiedAssumption
 
-from harness import parity
+from harness import outputs, parity
 from harness.config import RunConfig
+from harness.errors import InvalidArgument
 from harness.plugin import options, state
 from harness.plugin.outcomes import describe_outcome
 from harness.plugin.worlds import uses_other_worlds, world_key
@@ -27,8 +28,10 @@ from harness.runners import WorldKey
 
 def open_writer(config: pytest.Config, run: RunConfig, backend: str) -> ResultsWriter | None:
     """The session's results file (``--distconf-results``; one per xdist worker), headed by
-    the environment stamp (``backend``: the one the Worlds use); None when no results were
-    asked for."""
+    the environment stamp (``backend``: the one the Worlds use) and the run's identity; None
+    when no results were asked for. With ``--distconf-keep-earlier`` the controller first
+    moves an earlier run's records aside (before xdist starts its workers, whose
+    ``pytest_sessionstart`` is trylast): everything was checked at configure time."""
     target = config.getoption("distconf_results")
     if not target:
         return None
@@ -38,7 +41,11 @@ def open_writer(config: pytest.Config, run: RunConfig, backend: str) -> ResultsW
     worker = getattr(config, "workerinput", {}).get("workerid")
     if worker:
         path = path.with_name(f"{path.stem}.{worker}{path.suffix}")
+    elif config.getoption("distconf_keep_earlier"):
+        outputs.keep_earlier(path.parent)
     header = environment_stamp(
+        run_id=options.run_id(config),
+        worker=worker,
         runner=run.runner,
         world_sizes=list(run.world_sizes),
         device=run.device,
@@ -51,7 +58,10 @@ def open_writer(config: pytest.Config, run: RunConfig, backend: str) -> ResultsW
         faults=list(run.faults),
         **accelerator_versions(),
     )
-    return ResultsWriter(path, header)
+    try:
+        return ResultsWriter(path, header)
+    except InvalidArgument as exc:
+        raise pytest.UsageError(str(exc.renamed("--distconf-results"))) from None
 
 
 def reproduce_command(
