@@ -133,8 +133,6 @@ def run(config: RunConfig, *, extra: Sequence[str] = ()) -> int:
         run_id = outputs.new_run_id()
         exit_code = forked.run_pytest(pytest_arguments(config, extra=extra, run_id=run_id))
         files, others = outputs.results_of(config.out, run_id)
-        for path in others:
-            print(f"warning: {path} was written by another run: it is not read", file=sys.stderr)
         if not files:
             if exit_code != USAGE_ERROR:  # pytest said why it refused
                 print(
@@ -143,6 +141,8 @@ def run(config: RunConfig, *, extra: Sequence[str] = ()) -> int:
                     file=sys.stderr,
                 )
             return exit_code or 3
+        for path in others:
+            print(f"warning: {path} was written by another run: it is not read", file=sys.stderr)
         judged = summarise(files)
         if config.junit is not None:
             junit.add_verdict(config.junit, judged)

@@ -47,6 +47,14 @@ def test_ends_when_told(world):
 
 def test_passes(world):
     assert world.run(lambda ctx: 1) == [1] * world.world_size
+
+
+def test_passes_when_told(world):
+    for _ in range(1800):
+        if GO.exists():
+            break
+        time.sleep(0.1)
+    assert world.run(lambda ctx: 1) == [1] * world.world_size
 """
 
 
@@ -125,14 +133,29 @@ def test_a_second_run_on_a_busy_out_is_refused_and_the_first_judges_its_own_cras
 
 
 def test_two_runs_started_at_once_into_one_out_lose_no_record(tmp_path):
-    runs = [_start(tmp_path, select="passes") for _ in range(2)]
+    """Both started together; the run that holds the directory waits (for the file "go")
+    until the other has ended, so the two overlap however the machine schedules them."""
+    runs = [_start(tmp_path, select="passes_when_told") for _ in range(2)]
+    try:
+        first = _first_to_end(runs)
+    finally:
+        (tmp_path / "go").touch()
     outputs = [run.communicate(timeout=300)[0] for run in runs]
-    codes = sorted(run.returncode for run in runs)
-    assert codes == [0, 4], [output[-2000:] for output in outputs]
+    codes = [run.returncode for run in runs]
+    assert first.returncode == 4 and sorted(codes) == [0, 4], [o[-2000:] for o in outputs]
     (results,) = sorted((tmp_path / "out").glob("results*.jsonl"))
     written = read_results(results)
     assert not written.bad_lines and written.end is not None
     assert [t["status"] for t in written.tests] == ["passed"]
+
+
+def _first_to_end(runs: list[subprocess.Popen[str]]) -> subprocess.Popen[str]:
+    for _ in range(3000):
+        for run in runs:
+            if run.poll() is not None:
+                return run
+        time.sleep(0.1)
+    raise AssertionError("neither run ended")
 
 
 def test_a_run_reads_only_its_own_results_files(tmp_path):
