@@ -298,6 +298,6 @@ def test_a_missing_expectations_directory_is_refused_before_the_earlier_run_is_m
     missing = tmp_path / "no-such-expectations"
     code, output = _run(tmp_path, pytest_args=("-o", f"distconf_expectations={missing}"))
     assert code == 4, output[-3000:]
-    assert f"expectations directory '{missing}' does not exist" in output
+    assert f"distconf_expectations='{missing}' must be a directory of *.toml" in output
     assert {p.name: p.read_text() for p in out.iterdir() if p.name != LOCK} == earlier
     assert "moved to" not in output

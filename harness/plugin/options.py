@@ -208,20 +208,7 @@ def run_config(config: pytest.Config) -> RunConfig:
             _check_run_id(config)
     except InvalidArgument as exc:
         raise pytest.UsageError(str(as_option(exc, _SPELLED))) from None
-    if not hasattr(config, "workerinput"):
-        _load_expectations(config)
     return run
-
-
-def _load_expectations(config: pytest.Config) -> None:
-    """The known deviations' files are read at collection; a missing or broken directory is
-    refused now, at configure time, before the session writes or moves anything."""
-    from harness import expectations
-
-    try:
-        expectations.load(expectations_dir(config))
-    except expectations.ExpectationError as exc:
-        raise pytest.UsageError(f"distconf: {exc}") from None
 
 
 _RUN_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")

@@ -30,8 +30,9 @@ def open_writer(config: pytest.Config, run: RunConfig, backend: str) -> ResultsW
     """The session's results file (``--distconf-results``; one per xdist worker), headed by
     the environment stamp (``backend``: the one the Worlds use) and the run's identity; None
     when no results were asked for. With ``--distconf-keep-earlier`` the controller first
-    moves an earlier run's records aside (before xdist starts its workers, whose
-    ``pytest_sessionstart`` is trylast): everything was checked at configure time."""
+    moves an earlier run's records aside: after pytest's configuration was checked (the
+    expectations directory too, which collection reads later) and before xdist starts its
+    workers (its ``pytest_sessionstart`` is trylast)."""
     target = config.getoption("distconf_results")
     if not target:
         return None
@@ -42,6 +43,7 @@ def open_writer(config: pytest.Config, run: RunConfig, backend: str) -> ResultsW
     if worker:
         path = path.with_name(f"{path.stem}.{worker}{path.suffix}")
     elif config.getoption("distconf_keep_earlier"):
+        _check_expectations_dir(config)
         outputs.keep_earlier(path.parent)
     header = environment_stamp(
         run_id=options.run_id(config),
@@ -62,6 +64,18 @@ def open_writer(config: pytest.Config, run: RunConfig, backend: str) -> ResultsW
         return ResultsWriter(path, header)
     except InvalidArgument as exc:
         raise pytest.UsageError(str(exc.renamed("--distconf-results"))) from None
+
+
+def _check_expectations_dir(config: pytest.Config) -> None:
+    """A run of the suites needs its known deviations, which collection reads: a directory
+    that is not there is refused before the earlier run is moved aside, not after."""
+    directory = options.expectations_dir(config)
+    if not directory.is_dir():
+        raise pytest.UsageError(
+            f"distconf_expectations={str(directory)!r} must be a directory of *.toml "
+            "known-deviation files (it does not exist; an empty directory means no known "
+            "deviations)"
+        )
 
 
 def reproduce_command(
