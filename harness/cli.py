@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
-from harness import catalogue
+from harness import catalogue, outputs
 from harness.config import (
     DEFAULTS,
     MUTATE_OUT,
@@ -129,7 +129,12 @@ def _mutate(args: argparse.Namespace) -> int:
     with _named("--faults"):
         faults.select(fault_ids)
     check_int("--jobs", args.jobs)
-    return mutate.command(config, fault_ids, jobs=args.jobs)
+    try:
+        config.check_outputs()
+        with outputs.locked(config.out):  # each of its runs holds its own directory too
+            return mutate.command(config, fault_ids, jobs=args.jobs)
+    except InvalidArgument as exc:
+        raise as_option(exc) from None
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import catalogue
+from harness import catalogue, outputs
 from harness.errors import (
     InvalidArgument,
     check_int,
@@ -178,6 +178,14 @@ class RunConfig:
             nnodes=self.nnodes,
             max_restarts=self.max_restarts,
         )
+
+    def check_outputs(self) -> None:
+        """Refuse an ``out`` or ``junit`` this user cannot write (a file where a directory is
+        meant, a path under ``/proc``, a read-only one), before anything starts; makes
+        nothing. Not part of making a ``RunConfig``: the plugin's runs write neither."""
+        outputs.check_directory("out", self.out)
+        if self.junit is not None:
+            outputs.check_file("junit", self.junit)
 
     def check_machine(self, *, world_sizes: bool = True) -> str:
         """Refuse what this machine cannot run (imports torch): a plugin that does not

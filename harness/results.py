@@ -8,7 +8,9 @@ A results file is one JSON object per line, each with a ``kind``:
   ``runner``, ``world_sizes``, ``device``, ``backend`` (the process group's: ``threaded`` on
   the thread runner), ``backend_plugins``, ``profile``, ``seed``, ``derandomize``,
   ``max_examples``, and ``faults`` (the fault IDs injected: a mutation run, not a
-  conformance verdict).
+  conformance verdict); ``run_id``, the same in every file of one run (an xdist worker's
+  too): a reader takes the files of one run, never another's beside them; ``pid`` and
+  ``worker`` (the xdist worker's ID, or None) of the process writing the file.
 - ``start`` (before each test runs): ``nodeid``. A start with no ``test`` record after it
   names the test that was running when the session died.
 - ``test`` (one per test outcome): the fields of ``TestRecord``.
@@ -20,8 +22,10 @@ A results file is one JSON object per line, each with a ``kind``:
   ``test_timeout`` and the ``grace`` that follows it (``harness.forked``).
 
 Every record is flushed as it is written, so a run that is interrupted or crashes keeps every
-record written before; a missing ``end`` record tells the reader so. ``read_results`` is the
-one reader of a file, and ``harness.verdict.of_results`` the one reading of a run's files:
+record written before; a missing ``end`` record tells the reader so. A file is written by
+one session at a time: its writer holds an exclusive ``flock`` on it, and a second session
+given the same file is refused rather than truncating it. ``read_results`` is the one
+reader of a file, and ``harness.verdict.of_results`` the one reading of a run's files:
 passed, failed, interrupted, crashed, partial or nothing ran. A file whose header names a
 schema this distconf does not read (``READS``), or that has no header, is read all the same
 and says so (``Results.schema_problem``): its verdict is partial, never green.
@@ -29,6 +33,7 @@ and says so (``Results.schema_problem``): its verdict is partial, never green.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import platform
@@ -40,11 +45,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, TextIO
 
-from harness.errors import DistconfError, check_one_of
+from harness.errors import DistconfError, check_one_of, fail
 
-SCHEMA = 2
-"""2 added ``start`` records and the end record's ``interrupted``; 1 is read as well."""
-READS = (1, 2)
+SCHEMA = 3
+"""3 added the header's ``run_id``, ``pid`` and ``worker``, ``killed`` records and the end
+record's ``refused_connections``; 2 added ``start`` records and the end record's
+``interrupted``. Every earlier schema is read as well."""
+READS = (1, 2, 3)
 """The schemas this distconf reads."""
 STATUSES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed", "timeout", "crashed")
 SEVERITY = ("crashed", "timeout", "error", "failed", "xpassed", "xfailed", "skipped", "passed")
@@ -174,6 +181,7 @@ def environment_stamp(**run: Any) -> dict[str, Any]:
         "distconf": _version("distconf"),
         "git_sha": git_sha(Path(__file__).resolve().parent),
         "argv": sys.argv,
+        "pid": os.getpid(),
         **run,
     }
 
@@ -185,13 +193,15 @@ def _clip(text: str | None) -> str | None:
 
 
 class ResultsWriter:
-    """Appends records to a JSONL file, flushing and syncing each one."""
+    """Appends records to a JSONL file, flushing and syncing each one; the file is this
+    writer's alone until it is closed (``InvalidArgument`` on ``results`` while another
+    writer holds it)."""
 
     def __init__(self, path: Path, header: dict[str, Any]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._opened = time.monotonic()
-        self._file: TextIO | None = path.open("w", encoding="utf-8")
+        self._file: TextIO | None = _open_alone(path)
         self._write(header)
 
     def write_test(self, record: TestRecord) -> None:
@@ -218,6 +228,28 @@ class ResultsWriter:
         self._file.write(json.dumps(record, default=str) + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())
+
+
+def _open_alone(path: Path) -> TextIO:
+    """``path`` emptied for writing, held with an exclusive ``flock`` until it is closed
+    (the kernel drops it with the process, however that ends). Nothing is emptied while
+    another writer holds it: two sessions given one file would interleave their records
+    and lose one session's."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        header = read_results(path).header or {}
+        writer = f"pid {header['pid']}" if "pid" in header else "another session"
+        fail(
+            "results",
+            str(path),
+            f"a file no other session is writing, and {writer} (started "
+            f"{header.get('started', '?')}) is writing it",
+        )
+    os.ftruncate(descriptor, 0)
+    return os.fdopen(descriptor, "w", encoding="utf-8")
 
 
 @dataclass

@@ -9,7 +9,6 @@ properties through ``run_pytest``.
 from __future__ import annotations
 
 import random
-import re
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
@@ -17,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from harness import catalogue, forked, junit, triage, verdict
+from harness import catalogue, forked, junit, outputs, triage, verdict
 from harness.config import RunConfig, suite_paths
 from harness.errors import ReportError
 from harness.profiles import needs_seed
@@ -26,13 +25,21 @@ from harness.verdict import RunVerdict
 
 RESULTS = "results.jsonl"
 """The results file of a run under ``config.out`` (``results.gwN.jsonl`` per xdist worker)."""
+USAGE_ERROR = 4
+"""pytest's exit code when it refused its command line or configuration."""
 
 
 def pytest_arguments(
-    config: RunConfig, *, tests: Sequence[str] = (), extra: Sequence[str] = ()
+    config: RunConfig,
+    *,
+    tests: Sequence[str] = (),
+    extra: Sequence[str] = (),
+    run_id: str | None = None,
 ) -> list[str]:
     """pytest's command line for ``config``; ``tests``: node IDs relative to the suites
-    directory, instead of the configured suites."""
+    directory, instead of the configured suites; ``run_id``: the run's identity, which a
+    ``harness run`` gives to read back only its own results and which has the earlier run's
+    records in ``config.out`` moved aside once pytest has checked its own configuration."""
     selected = [str(catalogue.DEFAULT_SUITES / t) for t in tests] or map(str, suite_paths(config))
     arguments = [
         *selected,
@@ -76,6 +83,8 @@ def pytest_arguments(
         arguments.append(f"--distconf-cheap-first={','.join(map(str, config.cheap_first))}")
     if config.exitfirst:
         arguments.append("--exitfirst")
+    if run_id is not None:
+        arguments += [f"--distconf-run-id={run_id}", "--distconf-keep-earlier"]
     arguments += [f"{option}={value}" for option, value in config.torchrun_options.items()]
     if config.workers > 1 and not _names_workers(extra):
         arguments += ["-n", str(config.workers)]
@@ -112,28 +121,36 @@ def run(config: RunConfig, *, extra: Sequence[str] = ()) -> int:
     of the run's verdict (``harness.verdict``), or pytest's where pytest refused to run.
 
     Everything is checked before anything is written: the options (``RunConfig``), the
-    plugins, the device, the backend and the world sizes this machine can hold. An earlier
-    run's records in ``config.out`` are moved aside (``keep_earlier``), never deleted."""
+    outputs, the plugins, the device, the backend and the world sizes this machine can hold.
+    The run holds ``config.out`` (``outputs.locked``: a second run there is refused) and
+    reads back only the results files its own pytest wrote (their ``run_id``). pytest moves
+    an earlier run's records aside (``outputs.keep_earlier``), never deletes them, once it
+    has checked its own configuration."""
+    config.check_outputs()
     config.check_machine()
-    config = with_seed(config)
-    keep_earlier(config.out)
-    exit_code = forked.run_pytest(
-        pytest_arguments(config, extra=extra),
-        results_dir=config.out,
-        test_timeout=config.test_timeout,
-    )
-    files = sorted(config.out.glob("results*.jsonl"))
-    if not files:
-        print(
-            f"error: no results were written to {config.out / RESULTS} "
-            f"(pytest exit code {exit_code})",
-            file=sys.stderr,
+    with outputs.locked(config.out):
+        config = with_seed(config)
+        run_id = outputs.new_run_id()
+        exit_code = forked.run_pytest(
+            pytest_arguments(config, extra=extra, run_id=run_id),
+            results_dir=config.out,
+            test_timeout=config.test_timeout,
         )
-        return exit_code or 3
-    judged = summarise(files)
-    if config.junit is not None:
-        junit.add_verdict(config.junit, judged)
-    report_code = write_report(files, config.out / "report.html")
+        files, others = outputs.results_of(config.out, run_id)
+        if not files:
+            if exit_code != USAGE_ERROR:  # pytest said why it refused
+                print(
+                    f"error: no results were written to {config.out / RESULTS} "
+                    f"(pytest exit code {exit_code})",
+                    file=sys.stderr,
+                )
+            return exit_code or 3
+        for path in others:
+            print(f"warning: {path} was written by another run: it is not read", file=sys.stderr)
+        judged = summarise(files)
+        if config.junit is not None:
+            junit.add_verdict(config.junit, judged)
+        report_code = write_report(files, config.out / outputs.REPORT)
     return judged.exit_code or exit_code or report_code
 
 
@@ -149,27 +166,6 @@ def _print_triage(read: dict[Path, Any], tests: list[dict[str, Any]]) -> None:
         if lines:
             print(f"  {triage.TITLES[category]} ({len(lines)} spec(s)):")
             print("\n".join(f"    {line}" for line in lines))
-
-
-def keep_earlier(out: Path) -> Path | None:
-    """Move an earlier run's records and report in ``out`` to ``out/earlier/<its start>/``,
-    so that a new run never summarises them and never loses them; where they went."""
-    earlier = sorted(out.glob("results*.jsonl")) if out.is_dir() else []
-    if not earlier:
-        return None
-    header = read_results(earlier[0]).header or {}
-    stamp = re.sub(r"[^0-9A-Za-z]+", "-", str(header.get("started") or "unknown")).strip("-")
-    target = out / "earlier" / stamp
-    suffix = 1
-    while target.exists():
-        suffix += 1
-        target = out / "earlier" / f"{stamp}-{suffix}"
-    target.mkdir(parents=True)
-    for path in [*earlier, out / "report.html"]:
-        if path.exists():
-            path.rename(target / path.name)
-    print(f"distconf: the earlier run's records in {out} were moved to {target}")
-    return target
 
 
 def write_report(files: list[Path], html: Path, mutation_table: Path | None = None) -> int:

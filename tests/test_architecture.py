@@ -34,6 +34,7 @@ ENGINE = (
 BELOW_THE_ENGINE = (
     "harness.parity",
     "harness.results",
+    "harness.outputs",
     "harness.verdict",
     "harness.catalogue",
     "harness.expectations",

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import random
+import re
+import uuid
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ from harness.config import (
     torchrun_fields,
     world_sizes_option,
 )
-from harness.errors import InvalidArgument, check_one_of
+from harness.errors import InvalidArgument, check_one_of, require
 from harness.profiles import PROFILES, needs_seed
 from harness.runners import RUNNERS
 
@@ -78,6 +80,20 @@ def add(parser: pytest.Parser) -> None:
         "(TORCH_DISTRIBUTED_DEBUG=DETAIL); the thread runner always checks",
     )
     group.addoption("--distconf-results", default=None, help="write JSONL results to this file")
+    group.addoption(
+        "--distconf-run-id",
+        dest="distconf_run_id",
+        default=None,
+        help="the run's identity in every results file's header (default: one is drawn); "
+        "harness run gives its own, to read only its own files",
+    )
+    group.addoption(
+        "--distconf-keep-earlier",
+        dest="distconf_keep_earlier",
+        action="store_true",
+        help="first move an earlier run's results files and report.html beside "
+        "--distconf-results to earlier/<its start>/ (harness run asks for it)",
+    )
     group.addoption(
         "--distconf-profile",
         dest="distconf_profile",
@@ -189,9 +205,36 @@ def run_config(config: pytest.Config) -> RunConfig:
         # (``-n gpu``) sees only its own.
         if not hasattr(config, "workerinput"):
             run.check_machine()
+            _check_run_id(config)
     except InvalidArgument as exc:
         raise pytest.UsageError(str(as_option(exc, _SPELLED))) from None
     return run
+
+
+_RUN_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
+
+
+def _check_run_id(config: pytest.Config) -> None:
+    """``--distconf-run-id``, or one drawn for the session; xdist's workers get it as its
+    test-run ID (``--testrunuid``), which its controller hands to each of them."""
+    given = config.getoption("distconf_run_id")
+    if given is None:
+        given = getattr(config.option, "testrunuid", None) or uuid.uuid4().hex
+        config.option.distconf_run_id = given
+    require(_RUN_ID.fullmatch(str(given)) is not None, "distconf_run_id", given, _RUN_ID_TEXT)
+    if hasattr(config.option, "testrunuid") and config.option.testrunuid is None:
+        config.option.testrunuid = given
+
+
+_RUN_ID_TEXT = "1 to 64 letters, digits, '-' or '_'"
+
+
+def run_id(config: pytest.Config) -> str:
+    """The run's identity (``_check_run_id``): the same in the controller and every worker."""
+    given = config.getoption("distconf_run_id")
+    if given is not None:
+        return str(given)
+    return str(getattr(config, "workerinput", {})["testrunuid"])
 
 
 def _names(text: str | None) -> tuple[str, ...]:

@@ -16,8 +16,9 @@ import pytest
 from hypothesis import Phase, settings
 from hypothesis.errors import UnsatisfiedAssumption
 
-from harness import parity
+from harness import outputs, parity
 from harness.config import RunConfig
+from harness.errors import InvalidArgument
 from harness.plugin import options, state
 from harness.plugin.outcomes import describe_outcome
 from harness.plugin.worlds import uses_other_worlds, world_key
@@ -27,8 +28,11 @@ from harness.runners import WorldKey
 
 def open_writer(config: pytest.Config, run: RunConfig, backend: str) -> ResultsWriter | None:
     """The session's results file (``--distconf-results``; one per xdist worker), headed by
-    the environment stamp (``backend``: the one the Worlds use); None when no results were
-    asked for."""
+    the environment stamp (``backend``: the one the Worlds use) and the run's identity; None
+    when no results were asked for. With ``--distconf-keep-earlier`` the controller first
+    moves an earlier run's records aside: after pytest's configuration was checked (the
+    expectations directory too, which collection reads later) and before xdist starts its
+    workers (its ``pytest_sessionstart`` is trylast)."""
     target = config.getoption("distconf_results")
     if not target:
         return None
@@ -38,7 +42,12 @@ def open_writer(config: pytest.Config, run: RunConfig, backend: str) -> ResultsW
     worker = getattr(config, "workerinput", {}).get("workerid")
     if worker:
         path = path.with_name(f"{path.stem}.{worker}{path.suffix}")
+    elif config.getoption("distconf_keep_earlier"):
+        _check_expectations_dir(config)
+        outputs.keep_earlier(path.parent)
     header = environment_stamp(
+        run_id=options.run_id(config),
+        worker=worker,
         runner=run.runner,
         world_sizes=list(run.world_sizes),
         device=run.device,
@@ -51,7 +60,22 @@ def open_writer(config: pytest.Config, run: RunConfig, backend: str) -> ResultsW
         faults=list(run.faults),
         **accelerator_versions(),
     )
-    return ResultsWriter(path, header)
+    try:
+        return ResultsWriter(path, header)
+    except InvalidArgument as exc:
+        raise pytest.UsageError(str(exc.renamed("--distconf-results"))) from None
+
+
+def _check_expectations_dir(config: pytest.Config) -> None:
+    """A run of the suites needs its known deviations, which collection reads: a directory
+    that is not there is refused before the earlier run is moved aside, not after."""
+    directory = options.expectations_dir(config)
+    if not directory.is_dir():
+        raise pytest.UsageError(
+            f"distconf_expectations={str(directory)!r} must be a directory of *.toml "
+            "known-deviation files (it does not exist; an empty directory means no known "
+            "deviations)"
+        )
 
 
 def reproduce_command(

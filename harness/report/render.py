@@ -10,7 +10,7 @@ from pathlib import Path
 
 import jinja2
 
-from harness import catalogue
+from harness import catalogue, outputs
 from harness.errors import CatalogueError, ReportError
 from harness.report import compare, model, mutation, parity, records
 
@@ -97,7 +97,9 @@ def render_report(
     ``match`` says how its records pair up (see ``harness.report.compare``);
     ``mutation_table`` (a ``mutation.json``) adds the fault-detection section.
 
-    Raises ``ReportError`` when a file is missing or no test record was found."""
+    Raises ``ReportError`` when a file is missing, no test record was found or the page
+    cannot be written (a full disk): the page is written whole or not at all, never cut
+    short where its verdict already shows."""
     page = build_page(
         results,
         baseline=baseline,
@@ -105,6 +107,9 @@ def render_report(
         match=match,
         mutation_table=mutation_table,
     )
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(render_page(page), encoding="utf-8")
+    html = render_page(page)
+    try:
+        outputs.write_whole(output, html)
+    except OSError as exc:
+        raise ReportError(f"cannot write {str(output)!r}: {exc.strerror or exc}") from None
     return output
