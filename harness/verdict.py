@@ -19,8 +19,9 @@ kind            exit  when
 ``fail``           1  a test failed where no deviation is known (``harness.triage``: new)
 ``changed``        6  a spec with a known deviation failed otherwise than the deviation does
 ``fixed``          7  a known deviation did not happen: its expectation must be updated
-``partial``        3  a test started and recorded no outcome, or some lines of a results
-                      file could not be read
+``partial``        3  a test started and recorded no outcome, some lines of a results file
+                      could not be read, or pytest ended with failed tests (exit status 1)
+                      that no record holds
 ``unverified``     8  known deviations held, on a torch they were not verified on
                       (``harness expectations update RESULTS --verified``, after review)
 ``empty``          5  nothing was checked: no test recorded an outcome, or every test skipped
@@ -198,6 +199,7 @@ def run_verdict(files: Sequence[FileState], outcomes: Sequence[Outcome]) -> RunV
         _not_to_its_end(files)
         or _unexpected(found)
         or _incomplete(files)
+        or _failures_unrecorded(files)
         or _settled(found, outcomes)
     )
     return RunVerdict(kind, headline, details)
@@ -245,6 +247,18 @@ def _incomplete(files: Sequence[FileState]) -> tuple[str, str] | None:
             f"No unexpected outcomes, but {unreadable} record line(s) could not be read"
         )
     return None
+
+
+def _failures_unrecorded(files: Sequence[FileState]) -> tuple[str, str] | None:
+    """pytest counted a failure that no record holds (no record was unexpected): what failed
+    is not in the records, so they cannot say the run was green."""
+    failed = [f.path for f in files if f.end is not None and f.end.get("exitstatus") == 1]
+    if not failed:
+        return None
+    return "partial", (
+        f"pytest ended with failed tests (exit status 1, TESTS_FAILED) in {', '.join(failed)}, "
+        "but no test record holds a failure"
+    )
 
 
 def _settled(found: Counter[str], outcomes: Sequence[Outcome]) -> tuple[str, str]:

@@ -14,14 +14,14 @@ from harness.report import render_report
 from harness.results import ResultsWriter, TestRecord
 
 CATALOGUE = Path(__file__).resolve().parent / "fixtures" / "report" / "catalogue.toml"
-PROBLEM = "schema=3 is not one this distconf reads (1, 2)"
+PROBLEM = "schema=4 is not one this distconf reads (1, 2, 3)"
 
 
 @pytest.fixture
 def newer(tmp_path: Path) -> Path:
-    """A finished run of one passing test, written by a distconf of schema 3."""
+    """A finished run of one passing test, written by a distconf of schema 4."""
     path = tmp_path / "results.jsonl"
-    header = {"kind": "header", "schema": 3, "torch": "2.13.0+cpu", "started": "now"}
+    header = {"kind": "header", "schema": 4, "torch": "2.13.0+cpu", "started": "now"}
     writer = ResultsWriter(path, header)
     writer.write_start("t.py::a")
     record = TestRecord("t.py::a", "uneven.torch_chunk", "threads", 2, "cpu", "passed", 1.0)

@@ -103,7 +103,12 @@ def test_the_details_say_how_many_deviations_are_not_verified_here():
     ("end", "kind", "headline"),
     [
         ({"exitstatus": 0}, "pass", "All conformant"),
-        ({"exitstatus": 1}, "pass", "All conformant"),  # the records say what failed
+        (
+            {"exitstatus": 1},
+            "partial",
+            "pytest ended with failed tests (exit status 1, TESTS_FAILED) in r.jsonl, but no test "
+            "record holds a failure",
+        ),
         ({"exitstatus": 5}, "pass", "All conformant"),
         ({"exitstatus": 2}, "interrupted", "Interrupted: the run did not finish"),
         (
@@ -171,9 +176,10 @@ def _test(nodeid, status, expectation=None):
     [
         (1, None),
         (2, None),
-        (3, "schema=3 is not one this distconf reads (1, 2)"),
-        ("2", "schema='2' is not one this distconf reads (1, 2)"),
-        (None, "schema=None is not one this distconf reads (1, 2)"),
+        (3, None),
+        (4, "schema=4 is not one this distconf reads (1, 2, 3)"),
+        ("2", "schema='2' is not one this distconf reads (1, 2, 3)"),
+        (None, "schema=None is not one this distconf reads (1, 2, 3)"),
     ],
 )
 def test_read_results_marks_a_schema_it_does_not_read(tmp_path, schema, problem):
