@@ -3,8 +3,8 @@ bench``.
 
 Argument parsing and dispatch only: ``run`` is ``harness.session.run``, ``mutate`` is
 ``harness.mutation.mutate.command``, ``report`` is ``harness.report.render_report``, ``bench``
-is ``harness.bench.main``, ``expectations`` is ``harness.review``. A value an option does not
-accept, or an input that cannot be read, is refused before anything runs:
+is ``harness.bench.main``, ``expectations`` is ``harness.outcome.review``. A value an option
+does not accept, or an input that cannot be read, is refused before anything runs:
 ``error: --option=value must be ...`` and exit code 4 (pytest's usage error, which a run's bad
 pytest options give too).
 """
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
-from harness import catalogue, outputs
+from harness import catalogue
 from harness.config import (
     DEFAULTS,
     MUTATE_OUT,
@@ -38,6 +38,7 @@ from harness.errors import (
     ReportError,
     check_int,
 )
+from harness.outcome import outputs
 from harness.profiles import PROFILES
 from harness.runners import RUNNERS
 
@@ -261,7 +262,7 @@ def _add_report(commands: Any) -> None:
 
 
 def _expectations(args: argparse.Namespace) -> int:
-    from harness import expectations, review
+    from harness.outcome import expectations, review
 
     results = [Path(p) for p in args.results]
     directory = Path(args.expectations) if args.expectations else expectations.DEFAULT_DIR

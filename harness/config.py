@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import catalogue, outputs
+from harness import catalogue
 from harness.errors import (
     InvalidArgument,
     check_int,
@@ -26,6 +26,7 @@ from harness.errors import (
     invalid,
     require,
 )
+from harness.outcome import outputs
 from harness.profiles import PROFILES
 from harness.runners import DEFAULT_DEVICE, DEFAULT_TIMEOUT, RUNNERS
 from harness.runners._channel import TOKEN_VAR

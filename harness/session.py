@@ -16,12 +16,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from harness import catalogue, forked, junit, outputs, triage, verdict
+from harness import catalogue, forked
 from harness.config import RunConfig, suite_paths
 from harness.errors import ReportError
+from harness.outcome import junit, outputs, triage, verdict
+from harness.outcome.results import SEVERITY, read_results
+from harness.outcome.verdict import RunVerdict
 from harness.profiles import needs_seed
-from harness.results import SEVERITY, read_results
-from harness.verdict import RunVerdict
 
 RESULTS = "results.jsonl"
 """The results file of a run under ``config.out`` (``results.gwN.jsonl`` per xdist worker)."""
@@ -118,7 +119,7 @@ def with_seed(config: RunConfig) -> RunConfig:
 
 def run(config: RunConfig, *, extra: Sequence[str] = ()) -> int:
     """``python -m harness run``: the suites, a row per spec, ``report.html``; the exit code
-    of the run's verdict (``harness.verdict``), or pytest's where pytest refused to run.
+    of the run's verdict (``harness.outcome.verdict``), or pytest's where pytest refused to run.
 
     Everything is checked before anything is written: the options (``RunConfig``), the
     outputs, the plugins, the device, the backend and the world sizes this machine can hold.

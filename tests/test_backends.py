@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from harness import InvalidArgument, WorldStartError, open_world
-from harness.results import read_results
+from harness.outcome.results import read_results
 from harness.torchkit.devices import device_count
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import expectations
+from harness.outcome import expectations
 
 TORCH = metadata.version("torch")
 ROOT = Path(__file__).resolve().parent.parent
@@ -388,8 +388,8 @@ def test_expectations_mark_tests_and_travel_into_records(project):
     )
     assert records["demo.unverified"]["status"] == "xfailed"
     assert not records["demo.unverified"]["expectation"]["verified_here"]
-    from harness import triage
-    from harness.verdict import is_unexpected
+    from harness.outcome import triage
+    from harness.outcome.verdict import is_unexpected
 
     assert [s for s, r in sorted(records.items()) if is_unexpected(r)] == [
         "demo.other",

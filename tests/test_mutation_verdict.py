@@ -1,6 +1,6 @@
-"""``mutate`` judges its runs as ``harness run`` does (``harness.verdict``): a fault is caught
-only by an outcome the run's triage calls unexpected, never by a flaky deviation that simply
-did not show, and a fault run that did not finish says nothing about its fault."""
+"""``mutate`` judges its runs as ``harness run`` does (``harness.outcome.verdict``): a fault is
+caught only by an outcome the run's triage calls unexpected, never by a flaky deviation that
+simply did not show, and a fault run that did not finish says nothing about its fault."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 from harness.config import RunConfig
 from harness.faults import Fault, Patch
 from harness.mutation import mutate
-from harness.results import SCHEMA, ResultsWriter, TestRecord
+from harness.outcome.results import SCHEMA, ResultsWriter, TestRecord
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAM = "placements.program.matches_one_device"

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import catalogue, errors, expectations
-from harness.results import ResultsWriter, TestRecord, environment_stamp, read_results
+from harness import catalogue, errors
+from harness.outcome import expectations
+from harness.outcome.results import ResultsWriter, TestRecord, environment_stamp, read_results
 
 ROOT = Path(__file__).resolve().parent.parent
 

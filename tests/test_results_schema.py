@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from harness import cli, junit, session
+from harness import cli, session
+from harness.outcome import junit
+from harness.outcome.results import ResultsWriter, TestRecord
 from harness.report import render_report
-from harness.results import ResultsWriter, TestRecord
 
 CATALOGUE = Path(__file__).resolve().parent / "fixtures" / "report" / "catalogue.toml"
 PROBLEM = "schema=4 is not one this distconf reads (1, 2, 3)"

@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from harness import cli, expectations, review
-from harness.results import ResultsWriter, TestRecord, environment_stamp
+from harness import cli
+from harness.outcome import expectations, review
+from harness.outcome.results import ResultsWriter, TestRecord, environment_stamp
 
 KNOWN = """# Known deviations (a comment that must survive an update).
 

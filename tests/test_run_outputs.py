@@ -19,11 +19,11 @@ import pytest
 
 from harness import InvalidArgument, cli
 from harness.config import RunConfig
-from harness.results import ResultsWriter, environment_stamp, read_results
+from harness.outcome.results import ResultsWriter, environment_stamp, read_results
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCK = ".distconf.lock"
-"""The lock file a run holds in its ``--out`` (``harness.outputs.LOCK``)."""
+"""The lock file a run holds in its ``--out`` (``harness.outcome.outputs.LOCK``)."""
 
 DRILL = """
 import os
@@ -164,7 +164,7 @@ def test_a_run_reads_only_its_own_results_files(tmp_path):
     for name, run_id in (("results.jsonl", "mine"), ("results.gw3.jsonl", "theirs")):
         ResultsWriter(tmp_path / name, environment_stamp(run_id=run_id)).close(exitstatus=0)
     (tmp_path / "results.gw0.jsonl").write_text("{not a header\n")
-    from harness.outputs import results_of
+    from harness.outcome.outputs import results_of
 
     own, others = results_of(tmp_path, "mine")
     assert own == [tmp_path / "results.jsonl"]
@@ -195,7 +195,7 @@ def test_a_plain_pytest_session_never_empties_a_results_file_another_is_writing(
 
 def test_the_lock_of_a_run_that_died_refuses_nothing(tmp_path):
     """The lock is the kernel's: it ends with the process that held it, however it ends."""
-    from harness.outputs import locked
+    from harness.outcome.outputs import locked
 
     out = tmp_path / "out"
     child = os.fork()

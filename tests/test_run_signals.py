@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from harness.forked import KILL_GRACE, ORPHAN_GRACE
-from harness.results import read_results
+from harness.outcome.results import read_results
 
 ROOT = Path(__file__).resolve().parent.parent
 STOP_WITHIN = 180.0

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from harness import RankFailure, WorldStartError, cli
 from harness.config import RunConfig
 from harness.errors import InvalidArgument
-from harness.results import read_results
+from harness.outcome.results import read_results
 from harness.runners import _channel, make_world
 from harness.runners._listener import AgentListener
 from harness.runners.torchrun import TorchrunOptions

@@ -15,7 +15,7 @@ import tomllib
 from pathlib import Path
 from xml.etree import ElementTree
 
-from harness import expectations, review
+from harness.outcome import expectations, review
 
 ROOT = Path(__file__).resolve().parent.parent
 SECOND_BUG = ROOT / "tests" / "fixtures" / "second_bug" / "faults.py"

@@ -1,11 +1,11 @@
-"""harness.verdict: one reading of a run's files, the first kind that applies winning."""
+"""harness.outcome.verdict: one reading of a run's files, the first kind that applies winning."""
 
 from __future__ import annotations
 
 import pytest
 
-from harness.results import ResultsWriter, TestRecord, read_results
-from harness.verdict import (
+from harness.outcome.results import ResultsWriter, TestRecord, read_results
+from harness.outcome.verdict import (
     EXIT_CODES,
     FileState,
     is_unexpected,

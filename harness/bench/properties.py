@@ -16,12 +16,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from harness import session, verdict
+from harness import session
 from harness.config import RunConfig
-from harness.results import read_results
+from harness.outcome import verdict
+from harness.outcome.results import read_results
 
 MEASURED = ("pass", "unverified")
-"""The verdicts (``harness.verdict``) of a run that gives a figure: it ran to its end and
+"""The verdicts (``harness.outcome.verdict``) of a run that gives a figure: it ran to its end and
 caught nothing; a known deviation it met, verified on this torch or not, is named."""
 PROPERTIES = {
     "distribute": "test_placements.py::test_distribute_tensor_matches_model",

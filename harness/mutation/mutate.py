@@ -6,7 +6,7 @@ first, then, if they did not catch it, the others. With ``--jobs N`` the clean r
 split into one run per suite and N runs go at once, clean suites first: a fault run that
 would start after a clean suite failed is not started. A fault run starts with the suites of
 the fault's area and stops at the first failure: the fault is *caught* by the first test
-``harness.verdict`` says the run caught (an outcome its triage calls unexpected, as a clean
+``harness.outcome.verdict`` says the run caught (an outcome its triage calls unexpected, as a clean
 run's verdict would: a flaky deviation that did not show is not one; or a test the session
 died running), after the time and the number of examples the record says, with the shrunk
 counterexample hypothesis printed. A phase that did not run to its end and caught nothing
@@ -27,12 +27,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from harness import catalogue, faults, session, verdict
+from harness import catalogue, faults, session
 from harness.config import RunConfig
 from harness.errors import check_int
 from harness.mutation import launcher
-from harness.results import read_results
-from harness.verdict import RunVerdict
+from harness.outcome import verdict
+from harness.outcome.results import read_results
+from harness.outcome.verdict import RunVerdict
 
 SCHEMA = 1
 
@@ -107,7 +108,7 @@ def _launch(config: RunConfig) -> tuple[int, float]:
 
 
 def judged(out: Path) -> tuple[RunVerdict, list[dict[str, Any]]]:
-    """The verdict on the run in ``out`` (``harness.verdict``, as ``harness run`` gives it)
+    """The verdict on the run in ``out`` (``harness.outcome.verdict``, as ``harness run`` gives it)
     and its test records in the order they were written."""
     read = [(str(path), read_results(path)) for path in sorted(out.glob("results*.jsonl"))]
     return verdict.of_results(read), [record for _, results in read for record in results.tests]
@@ -136,7 +137,7 @@ def fault_run(
     cheap_first: tuple[Path, ...] = (),
 ) -> FaultResult:
     """Run each phase's suites with ``fault`` injected, stopping after the first phase
-    that caught it (``harness.verdict``: pytest's ``--exitfirst`` stops a phase at its first
+    that caught it (``harness.outcome.verdict``: pytest's ``--exitfirst`` stops a phase at its first
     failure, not at a non-strict unexpected pass, which a flaky deviation may give).
 
     The fault's area suites go first in a run of their own: within one run the plugin takes
@@ -259,7 +260,7 @@ def longest_first(suites: Sequence[str]) -> list[str]:
 
 
 def _passed(clean: dict[str, Any]) -> bool:
-    """Whether a clean run can anchor a score: its verdict a pass (``harness.verdict``)."""
+    """Whether a clean run can anchor a score: its verdict a pass (``harness.outcome.verdict``)."""
     return bool(clean["verdict"] == "pass" and clean["exit_code"] == 0)
 
 

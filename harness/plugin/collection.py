@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 
-from harness import catalogue, expectations
+from harness import catalogue
+from harness.outcome import expectations
+from harness.outcome.results import read_results
 from harness.plugin import options, state
 from harness.plugin.worlds import world_key
-from harness.results import read_results
 from harness.runners import WorldKey
 
 Tests = dict[str, list[tuple[str, list[str]]]]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import expectations
+from harness.outcome import expectations
 from harness.plugin import state
 
 DIFFERENT = "a different failure in a spec with a known deviation"

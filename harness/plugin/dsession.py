@@ -15,9 +15,9 @@ from hypothesis import settings
 
 from harness import forked
 from harness.config import RunConfig
+from harness.outcome.results import ResultsWriter
 from harness.plugin import collection, deviations, gpus, options, recording, scheduling, state
 from harness.plugin.worlds import SessionWorlds
-from harness.results import ResultsWriter
 
 NAME = "distconf-session"
 

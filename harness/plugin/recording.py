@@ -16,13 +16,19 @@ import pytest
 from hypothesis import Phase, settings
 from hypothesis.errors import UnsatisfiedAssumption
 
-from harness import outputs, parity
+from harness import parity
 from harness.config import RunConfig
 from harness.errors import InvalidArgument
+from harness.outcome import outputs
+from harness.outcome.results import (
+    ResultsWriter,
+    TestRecord,
+    accelerator_versions,
+    environment_stamp,
+)
 from harness.plugin import options, state
 from harness.plugin.outcomes import describe_outcome
 from harness.plugin.worlds import uses_other_worlds, world_key
-from harness.results import ResultsWriter, TestRecord, accelerator_versions, environment_stamp
 from harness.runners import WorldKey
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from harness.expectations import Expectation
+from harness.outcome.expectations import Expectation
 from harness.parity import ParityLog
 
 

@@ -1,7 +1,7 @@
 """Shape test records into what the report shows: plain dataclasses, no HTML.
 
 ``build`` turns one run's records (and the catalogue) into a ``Report``; the templates only
-lay it out. Statuses keep the names of ``harness.results``; ``TITLES`` gives their words.
+lay it out. Statuses keep the names of ``harness.outcome.results``; ``TITLES`` gives their words.
 """
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.catalogue import Spec
+from harness.outcome.results import (
+    SEVERITY as SEVERITY,  # re-exported: the report's order of statuses
+)
+from harness.outcome.results import TITLES as TITLES  # re-exported: the words of each status
 from harness.report.exercised import SpecExercised, exercised
 from harness.report.records import Expectation, Loaded, Metric, Record, SourceFile, text
 from harness.report.versions import Versions, versions
-from harness.results import SEVERITY as SEVERITY  # re-exported: the report's order of statuses
-from harness.results import TITLES as TITLES  # re-exported: the words of each status
 
 LABELS = {
     "passed": "pass",
@@ -62,7 +64,7 @@ class StatusCount:
 @dataclass(frozen=True)
 class Verdict:
     kind: str
-    """A ``harness.verdict`` kind (``EXIT_CODES`` lists them)."""
+    """A ``harness.outcome.verdict`` kind (``EXIT_CODES`` lists them)."""
     headline: str
     detail: str
 
@@ -276,7 +278,7 @@ def counts(records: Sequence[Record]) -> tuple[StatusCount, ...]:
 
 
 def verdict(loaded: Loaded, covered: str) -> Verdict:
-    """``harness.verdict``'s reading of the run, with what the specs covered."""
+    """``harness.outcome.verdict``'s reading of the run, with what the specs covered."""
     judged = loaded.verdict
     return Verdict(judged.kind, judged.headline, " · ".join((*judged.details, covered)))
 

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import ReportError as ReportError  # re-exported: callers import it here
+from harness.outcome.results import STATUSES, Results, read_results
+from harness.outcome.verdict import RunVerdict, is_unexpected, of_results, outcome
 from harness.parity import Verdict
-from harness.results import STATUSES, Results, read_results
-from harness.verdict import RunVerdict, is_unexpected, of_results, outcome
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class Record:
     status: str
     unexpected: bool
     category: str | None
-    """``harness.triage``'s category: new, different, fixed, unverified, known, or None."""
+    """``harness.outcome.triage``'s category: new, different, fixed, unverified, known, or None."""
     duration: float | None
     examples: int | None
     falsifying_example: str | None
@@ -117,7 +117,7 @@ class SourceFile:
 @dataclass(frozen=True)
 class Loaded:
     """Every record of one run (one or more files), the warnings about its files and the
-    run's verdict (``harness.verdict.of_results``, as the summary and JUnit give it)."""
+    run's verdict (``harness.outcome.verdict.of_results``, as the summary and JUnit give it)."""
 
     files: tuple[SourceFile, ...]
     records: tuple[Record, ...]

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import jinja2
 
-from harness import catalogue, outputs
+from harness import catalogue
 from harness.errors import CatalogueError, ReportError
+from harness.outcome import outputs
 from harness.report import compare, model, mutation, parity, records
 
 

@@ -1,5 +1,5 @@
 """The report's "Versions" section: which torch the run checked, and what it says about each
-known deviation (``harness.triage``): new failures, changed behaviour, deviations fixed,
+known deviation (``harness.outcome.triage``): new failures, changed behaviour, deviations fixed,
 deviations still present (verified on this torch or not)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from harness import triage
+from harness.outcome import triage
 from harness.report.records import Loaded, Record
 
 

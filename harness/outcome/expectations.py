@@ -15,7 +15,7 @@ text, a bare ``AssertionError``, ``SystemExit: 0``, a rank failure's header, ...
 entry that does not say in ``flaky_because`` why the deviation shows on some draws only.
 ``torch`` is the range the deviation applies to, open-ended until a release fixes it;
 ``verified`` lists the releases on which someone saw it. On a torch outside ``verified`` a
-matching failure is a known deviation still to be verified there (``harness.triage``), and
+matching failure is a known deviation still to be verified there (``harness.outcome.triage``), and
 ``harness expectations update`` records the verification.
 """
 
@@ -37,7 +37,7 @@ from packaging.version import InvalidVersion, Version
 from harness.errors import ExpectationError as ExpectationError
 from harness.errors import check_one_of, fail, raised_as, require
 
-DEFAULT_DIR = Path(__file__).resolve().parent.parent / "specs" / "expectations"
+DEFAULT_DIR = Path(__file__).resolve().parents[2] / "specs" / "expectations"
 STATUSES = ("xfail", "skip", "flaky")
 _REQUIRED = ("spec", "status", "reason", "link")
 _CONDITIONS = ("torch", "runner", "device", "backend", "world_size")

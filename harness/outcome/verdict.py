@@ -15,8 +15,8 @@ kind            exit  when
                       session that did (``RAN_TO_ITS_END``: OK, TESTS_FAILED,
                       NO_TESTS_COLLECTED), as after an INTERNALERROR or a usage error
 ``partial``        3  a results file has no header or a schema this distconf does not read
-                      (``harness.results.READS``): its records may mean otherwise
-``fail``           1  a test failed where no deviation is known (``harness.triage``: new)
+                      (``harness.outcome.results.READS``): its records may mean otherwise
+``fail``           1  a test failed where no deviation is known (``harness.outcome.triage``: new)
 ``changed``        6  a spec with a known deviation failed otherwise than the deviation does
 ``fixed``          7  a known deviation did not happen: its expectation must be updated
 ``partial``        3  a test started and recorded no outcome, some lines of a results file
@@ -31,7 +31,7 @@ kind            exit  when
 ``of_results`` is the one function that reads a run so: the summary of ``harness run``, its
 report and JUnit XML, ``mutate``'s clean and fault runs and ``bench`` all take its verdict.
 Besides the kind, it says what was caught: each test whose outcome is unexpected
-(``is_unexpected``: a ``harness.triage`` category of new, different or fixed; a flaky
+(``is_unexpected``: a ``harness.outcome.triage`` category of new, different or fixed; a flaky
 deviation that did not show is none), and each test that started and recorded no outcome.
 """
 
@@ -42,8 +42,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from harness import triage
-from harness.results import SEVERITY, STATUSES, TITLES, Results
+from harness.outcome import triage
+from harness.outcome.results import SEVERITY, STATUSES, TITLES, Results
 
 EXIT_CODES = {
     "pass": 0,
@@ -57,7 +57,7 @@ EXIT_CODES = {
     "unverified": 8,
 }
 Outcome = tuple[str, str | None]
-"""A test's status and its ``harness.triage`` category."""
+"""A test's status and its ``harness.outcome.triage`` category."""
 INTERRUPTED_EXIT_STATUS = 2
 """pytest's ``ExitCode.INTERRUPTED``, as the end record keeps it."""
 PYTEST_EXIT_STATUSES = {
@@ -157,7 +157,7 @@ class RunVerdict:
 
 def outcome(record: Mapping[str, Any]) -> Outcome:
     """A test record's status (one distconf does not write counts as an ``error``) and its
-    ``harness.triage`` category."""
+    ``harness.outcome.triage`` category."""
     status = record.get("status")
     if status not in STATUSES:
         return "error", triage.category({**record, "status": "error"})

@@ -13,7 +13,7 @@ category        the test
 ``known``       failed as the known deviation does, on a torch it was verified on
 ==============  ==============================================================================
 
-``harness.verdict`` gives each its own exit code; the summary, the report's "Versions"
+``harness.outcome.verdict`` gives each its own exit code; the summary, the report's "Versions"
 section and ``harness expectations check`` list them per spec.
 """
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import fail
-from harness.results import read_results
+from harness.outcome.results import read_results
 
 LOCK = ".distconf.lock"
 """The lock file of an output directory (``locked``)."""

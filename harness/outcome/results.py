@@ -25,7 +25,7 @@ Every record is flushed as it is written, so a run that is interrupted or crashe
 record written before; a missing ``end`` record tells the reader so. A file is written by
 one session at a time: its writer holds an exclusive ``flock`` on it, and a second session
 given the same file is refused rather than truncating it. ``read_results`` is the one
-reader of a file, and ``harness.verdict.of_results`` the one reading of a run's files:
+reader of a file, and ``harness.outcome.verdict.of_results`` the one reading of a run's files:
 passed, failed, interrupted, crashed, partial or nothing ran. A file whose header names a
 schema this distconf does not read (``READS``), or that has no header, is read all the same
 and says so (``Results.schema_problem``): its verdict is partial, never green.

@@ -2,7 +2,7 @@
 record of a person's review of it.
 
 ``check RESULTS...`` lists every expectation of ``specs/expectations`` with what the run
-says about it (``harness.triage``), read against the files as they are now (so a reviewed
+says about it (``harness.outcome.triage``), read against the files as they are now (so a reviewed
 run reads as known), then the run's failures no expectation covers.
 ``update RESULTS... --verified`` adds the run's torch release to ``verified`` of each
 expectation whose deviation the run saw and did not see otherwise (``unverified`` tests
@@ -30,9 +30,9 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from harness import expectations, triage
 from harness.errors import ExpectationError, ReportError
-from harness.results import Results, read_results
+from harness.outcome import expectations, triage
+from harness.outcome.results import Results, read_results
 
 _HEADER = "[[expect]]"
 

@@ -9,7 +9,7 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 from harness.errors import ReportError
-from harness.verdict import RunVerdict
+from harness.outcome.verdict import RunVerdict
 
 _EMPTY = '<testsuites><testsuite name="distconf" tests="0" errors="0" /></testsuites>'
 
