@@ -29,9 +29,9 @@ from harness.errors import (
 from harness.outcome import outputs
 from harness.profiles import PROFILES
 from harness.runners import DEFAULT_DEVICE, DEFAULT_TIMEOUT, RUNNERS
-from harness.runners._channel import TOKEN_VAR
 from harness.runners.capacity import check_capacity
-from harness.runners.torchrun import DEFAULT_ATTACH_TIMEOUT, DEFAULT_LISTEN, TorchrunOptions
+from harness.runners.torchrun.channel import TOKEN_VAR
+from harness.runners.torchrun.world import DEFAULT_ATTACH_TIMEOUT, DEFAULT_LISTEN, TorchrunOptions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,7 +193,7 @@ class RunConfig:
         import, an absent device, a backend not registered for it and, with
         ``world_sizes``, a World too large; the process-group backend the Worlds will use."""
         if self.runner == "torchrun" and (self.nproc_per_node is None or self.token_file):
-            from harness.runners._channel import load_token
+            from harness.runners.torchrun.channel import load_token
 
             load_token(self.token_file)  # the shared secret is there before anyone waits
         if self.runner == "torchrun" and self.nproc_per_node is not None and world_sizes:

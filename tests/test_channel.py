@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
-from harness.runners import _channel
-from harness.runners._listener import MAX_HELLO_BYTES, AgentListener
+from harness.runners.torchrun import channel
+from harness.runners.torchrun.listener import MAX_HELLO_BYTES, AgentListener
 
 TOKEN = b"a-token-for-the-channel-tests-0123456789"
-INFO = _channel.AgentInfo(
+INFO = channel.AgentInfo(
     rank=0, world_size=1, local_rank=0, node=0, host="here", restart=0, max_restarts=0, pid=1
 )
 
@@ -43,7 +43,7 @@ def listen() -> Iterator[Callable[..., AgentListener]]:
 
 def _attach(listener: AgentListener) -> Connection:
     """An agent: the handshake, then its hello."""
-    conn = _channel.connect(listener.address, TOKEN, timeout=10.0)
+    conn = channel.connect(listener.address, TOKEN, timeout=10.0)
     conn.send_bytes(pickle.dumps(("supervisor", INFO)))
     return conn
 
@@ -82,7 +82,7 @@ class _Peer:
                 data = b""
             self.received += data
             self.closed = not data
-        assert len(self.received) <= len(_channel.MAGIC) + _channel.NONCE_BYTES, self.received
+        assert len(self.received) <= len(channel.MAGIC) + channel.NONCE_BYTES, self.received
         return "closed" if self.closed else "greeted" if self.received else "waiting"
 
 
@@ -171,7 +171,7 @@ def test_a_token_holder_announcing_a_huge_hello_is_refused_and_logged(
     listen: Callable[..., AgentListener], caplog: pytest.LogCaptureFixture, header: bytes, why: str
 ) -> None:
     listener = listen(handshake_timeout=5.0)
-    conn = _channel.connect(listener.address, TOKEN, timeout=5.0)
+    conn = channel.connect(listener.address, TOKEN, timeout=5.0)
     try:
         os.write(conn.fileno(), header)
         assert _refusal(listener, timeout=2.0).endswith(why)
@@ -206,7 +206,7 @@ def test_a_token_holders_hello_that_does_not_load_is_refused_and_runs_nothing(
     listen: Callable[..., AgentListener], caplog: pytest.LogCaptureFixture, hello: bytes, why: str
 ) -> None:
     listener = listen(handshake_timeout=5.0)
-    conn = _channel.connect(listener.address, TOKEN, timeout=5.0)
+    conn = channel.connect(listener.address, TOKEN, timeout=5.0)
     try:
         conn.send_bytes(hello)
         assert why in _refusal(listener)

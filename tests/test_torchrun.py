@@ -27,9 +27,10 @@ from harness import RankFailure, WorldStartError, cli
 from harness.config import RunConfig
 from harness.errors import InvalidArgument
 from harness.outcome.results import read_results
-from harness.runners import _channel, make_world
-from harness.runners._listener import AgentListener
-from harness.runners.torchrun import TorchrunOptions
+from harness.runners import make_world
+from harness.runners.torchrun import channel
+from harness.runners.torchrun.listener import AgentListener
+from harness.runners.torchrun.world import TorchrunOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "a-token-for-the-tests-only-0123456789"
@@ -259,8 +260,8 @@ def test_a_wrong_token_is_refused_before_any_pickle(caplog):
     listener = AgentListener(("127.0.0.1", 0), TOKEN.encode())
     try:
         with pytest.raises(ConnectionError):
-            _channel.connect(listener.address, b"not-the-token-0123456789", timeout=5.0)
-        good = _channel.connect(listener.address, TOKEN.encode(), timeout=5.0)
+            channel.connect(listener.address, b"not-the-token-0123456789", timeout=5.0)
+        good = channel.connect(listener.address, TOKEN.encode(), timeout=5.0)
         good.send_bytes(b"\x80\x04N.")  # a pickle: None
         arrival = listener.next(timeout=5.0)
         assert arrival is not None and arrival[0] is None
@@ -281,18 +282,18 @@ def test_an_impostor_driver_is_refused_by_the_agent():
     listener = AgentListener(("127.0.0.1", 0), b"the-impostor-knows-another-token")
     try:
         with pytest.raises(ConnectionError):
-            _channel.connect(listener.address, TOKEN.encode(), timeout=5.0)
+            channel.connect(listener.address, TOKEN.encode(), timeout=5.0)
     finally:
         listener.close()
 
 
 def test_agents_that_never_attach_fail_the_start_after_the_attach_timeout(monkeypatch):
-    monkeypatch.setenv(_channel.TOKEN_VAR, TOKEN)
+    monkeypatch.setenv(channel.TOKEN_VAR, TOKEN)
     options = TorchrunOptions(world_size=WORLD_SIZE, attach_timeout=1.5)
     world = make_world("torchrun", WORLD_SIZE, torchrun=options)
     try:
         with pytest.raises(ConnectionError):  # and one with the wrong token, refused
-            _channel.connect(world.address, b"not-the-token-0123456789", timeout=5.0)
+            channel.connect(world.address, b"not-the-token-0123456789", timeout=5.0)
         started = time.monotonic()
         with pytest.raises(WorldStartError) as info:
             world.start()
@@ -318,7 +319,7 @@ def test_an_agent_that_fails_to_attach_leaves_nothing_in_tmpdir(private_tmpdir):
                 **os.environ,
                 **torchrun_env,
                 "PYTHONPATH": str(ROOT),
-                _channel.TOKEN_VAR: "not-the-token-0123456789",
+                channel.TOKEN_VAR: "not-the-token-0123456789",
             },
             capture_output=True,
             text=True,
@@ -333,8 +334,8 @@ def test_an_agent_that_fails_to_attach_leaves_nothing_in_tmpdir(private_tmpdir):
 
 def test_where_the_driver_waits_and_a_listener_beyond_loopback_are_warnings(monkeypatch, caplog):
     """On the torchrun runner's notices logger, which the plugin puts on the terminal."""
-    monkeypatch.setenv(_channel.TOKEN_VAR, TOKEN)
-    monkeypatch.setattr(_channel, "is_loopback", lambda host: False)
+    monkeypatch.setenv(channel.TOKEN_VAR, TOKEN)
+    monkeypatch.setattr(channel, "is_loopback", lambda host: False)
     options = TorchrunOptions(world_size=2, attach_timeout=1.0)
     world = make_world("torchrun", 2, torchrun=options)
     try:
@@ -369,14 +370,14 @@ def test_torchrun_options_are_refused_before_anything_starts(fields, expected):
 
 
 def test_agents_started_elsewhere_need_the_token_before_anything_starts(monkeypatch, tmp_path):
-    monkeypatch.delenv(_channel.TOKEN_VAR, raising=False)
+    monkeypatch.delenv(channel.TOKEN_VAR, raising=False)
     config = RunConfig(runner="torchrun", world_sizes=(4,), out=tmp_path)
     with pytest.raises(InvalidArgument, match=r"DISTCONF_TOKEN='<unset>' must be a shared"):
         config.check_machine()
 
 
 def test_a_missing_token_is_named_as_the_variable_it_is(monkeypatch, tmp_path, capsys):
-    monkeypatch.delenv(_channel.TOKEN_VAR, raising=False)
+    monkeypatch.delenv(channel.TOKEN_VAR, raising=False)
     command = ["run", "--runner", "torchrun", "--world-sizes", "2", "--out", str(tmp_path)]
     assert cli.main(command) == cli.USAGE_ERROR
     err = capsys.readouterr().err
@@ -427,7 +428,7 @@ def test_the_driver_shows_where_it_waits_and_what_it_refused_at_once(tmp_path):
         "--attach-timeout", "15", "--suite", "placements", "--profile", "dev", "--seed", "1",
         "--out", str(out),
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), _channel.TOKEN_VAR: TOKEN}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), channel.TOKEN_VAR: TOKEN}
     run = subprocess.Popen(
         command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -463,7 +464,7 @@ def test_the_driver_shows_where_it_waits_and_what_it_refused_at_once(tmp_path):
         )
         driver = (waiting[1], int(waiting[2]))
         with pytest.raises(ConnectionError):
-            _channel.connect(driver, b"not-the-token-0123456789", timeout=5.0)
+            channel.connect(driver, b"not-the-token-0123456789", timeout=5.0)
         printed(
             r"refused a connection from 127\.0\.0\.1:\d+ to the torchrun listener: wrong token", 10
         )

@@ -58,7 +58,7 @@ def time_calls(
     argument_lists = [args for args in argument_lists if all(_serves(a, lacks) for a in args)]
     torchrun = None
     if runner == "torchrun":  # two local "nodes", torchrun started here
-        from harness.runners.torchrun import TorchrunOptions
+        from harness.runners.torchrun.world import TorchrunOptions
 
         nodes = 2 if world_size % 2 == 0 else 1
         torchrun = TorchrunOptions(

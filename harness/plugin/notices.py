@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from harness.runners.torchrun import NOTICES
+from harness.runners.torchrun.world import NOTICES
 
 _STDERR = 2
 

@@ -17,7 +17,7 @@ from harness.runners.base import DEFAULT_TIMEOUT, AllRanksSkipped, RankFailure, 
 from harness.runners.capacity import check_capacity
 
 if TYPE_CHECKING:
-    from harness.runners.torchrun import TorchrunOptions
+    from harness.runners.torchrun.world import TorchrunOptions
 
 RUNNERS = ("threads", "processes", "torchrun", "local")
 """The runners; the first is the default."""
@@ -101,7 +101,7 @@ def make_world(
             "TorchrunOptions for the torchrun runner (where it listens, what it starts)",
         )
         assert torchrun is not None
-        from harness.runners.torchrun import TorchrunWorld
+        from harness.runners.torchrun.world import TorchrunWorld
 
         return TorchrunWorld(
             world_size,

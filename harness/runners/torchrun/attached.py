@@ -11,9 +11,10 @@ from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from harness.runners import _channel, _rank_process
-from harness.runners._listener import AgentListener
+from harness.runners import _rank_process
 from harness.runners.base import RankOutcome
+from harness.runners.torchrun import channel
+from harness.runners.torchrun.listener import AgentListener
 
 START_TIMEOUT = 180.0
 CONTROL_TIMEOUT = 30.0
@@ -29,7 +30,7 @@ class Inbox:
 
     def __init__(self, listener: AgentListener, world_size: int) -> None:
         self.listener, self.world_size = listener, world_size
-        self.agents: dict[int, tuple[_channel.AgentInfo, Connection]] = {}
+        self.agents: dict[int, tuple[channel.AgentInfo, Connection]] = {}
         self.rank_conns: dict[tuple[int, int], Connection] = {}
 
     def pump(self, timeout: float) -> None:
@@ -59,7 +60,7 @@ class Inbox:
             replaced[1].close()  # an agent torchrun has restarted since
         self.agents[info.rank] = (info, conn)
 
-    def _misfit(self, info: _channel.AgentInfo) -> str:
+    def _misfit(self, info: channel.AgentInfo) -> str:
         if info.world_size != self.world_size:
             return f"its WORLD_SIZE is {info.world_size}, the driver expects {self.world_size}"
         return ""
@@ -76,7 +77,7 @@ class Inbox:
             self.pump(min(0.5, deadline - time.monotonic()))
         return self.rank_conns.pop((pid, serial), None)
 
-    def take_agents(self) -> dict[int, tuple[_channel.AgentInfo, Connection]]:
+    def take_agents(self) -> dict[int, tuple[channel.AgentInfo, Connection]]:
         agents, self.agents = self.agents, {}
         return agents
 
@@ -91,7 +92,7 @@ def _known_hello(hello: Any) -> bool:
         isinstance(hello, tuple)
         and bool(hello)
         and len(hello) == shapes.get(hello[0], -1)
-        and isinstance(hello[1], _channel.AgentInfo)
+        and isinstance(hello[1], channel.AgentInfo)
     )
 
 
@@ -126,7 +127,7 @@ class Agents:
     def __init__(
         self,
         inbox: Inbox,
-        agents: dict[int, tuple[_channel.AgentInfo, Connection]],
+        agents: dict[int, tuple[channel.AgentInfo, Connection]],
         conns: dict[int, Connection],
     ) -> None:
         self.inbox = inbox

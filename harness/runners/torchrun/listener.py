@@ -1,4 +1,4 @@
-"""The driver's end of the authenticated channel (``_channel``): the listening socket and the
+"""The driver's end of the authenticated channel (``channel``): the listening socket and the
 admission of each connection, up to its hello.
 
 One thread serves every connection with a selector, so a peer that stalls holds no thread
@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from harness.errors import WorldStartError, check_int, check_seconds
-from harness.runners._channel import (
+from harness.runners.torchrun.channel import (
     HANDSHAKE_TIMEOUT,
     MAGIC,
     MAX_HELLO_BYTES,

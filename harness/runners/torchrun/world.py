@@ -2,10 +2,10 @@
 
 The driver listens (``TorchrunOptions.listen``, loopback unless told otherwise) and waits up to
 ``attach_timeout`` for exactly ``world_size`` agents (``python -m harness.attach``, one per
-process torchrun starts; ``_agent``) to attach over the authenticated channel (``_channel``).
+process torchrun starts; ``agent``) to attach over the authenticated channel (``channel``).
 Each agent supervises one rank process running the process runner's rank code
 (``_rank_process``), which joins the default process group through torchrun's store. With
-``nproc_per_node`` the driver starts torchrun itself (``_launch``: ``nnodes`` local "nodes").
+``nproc_per_node`` the driver starts torchrun itself (``launch``: ``nnodes`` local "nodes").
 
 A failed call costs what it costs on the process runner, except that the driver cannot start
 ranks: a rank that ran past the deadline or stayed stuck is started anew by its agent; the
@@ -24,15 +24,15 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import WorldStartError, check_int, check_seconds, require
-from harness.runners import _channel
-from harness.runners._attached import START_TIMEOUT, STOP_GRACE, Agents, Dead, Inbox, send
-from harness.runners._listener import AgentListener
 from harness.runners.base import DEFAULT_TIMEOUT, RankOutcome
 from harness.runners.processes import _pickled_call
+from harness.runners.torchrun import channel
+from harness.runners.torchrun.attached import START_TIMEOUT, STOP_GRACE, Agents, Dead, Inbox, send
+from harness.runners.torchrun.listener import AgentListener
 from harness.runners.world import PersistentWorld
 
 RUNNER = "torchrun"
-NOTICES = _channel.log.name
+NOTICES = channel.log.name
 """The logger of what an operator must see at once (warnings): where the driver waits,
 refused connections, a listener beyond loopback."""
 DEFAULT_LISTEN = "127.0.0.1:0"
@@ -58,7 +58,7 @@ class TorchrunOptions:
 
     def __post_init__(self) -> None:
         check_int("world_size", self.world_size)
-        _channel.parse_address("listen", self.listen)
+        channel.parse_address("listen", self.listen)
         check_seconds("attach_timeout", self.attach_timeout)
         check_int("nnodes", self.nnodes)
         check_int("max_restarts", self.max_restarts, minimum=0)
@@ -105,7 +105,7 @@ class TorchrunWorld(PersistentWorld["Agents | Dead"]):
         )
         super().__init__(world_size, device, timeout=timeout)
         self.options = options
-        self.settings = _channel.AgentSettings(
+        self.settings = channel.AgentSettings(
             device=device,
             backend=backend,
             backend_plugins=backend_plugins,
@@ -145,9 +145,9 @@ class TorchrunWorld(PersistentWorld["Agents | Dead"]):
         if self._inbox is not None:
             return self._inbox
         options = self.options
-        address = _channel.parse_address("listen", options.listen)
+        address = channel.parse_address("listen", options.listen)
         if options.launches:
-            from harness.runners._launch import LocalTorchrun
+            from harness.runners.torchrun.launch import LocalTorchrun
 
             self._launcher = launcher = LocalTorchrun(options.token_file)
             listener = AgentListener(address, launcher.token)
@@ -158,10 +158,10 @@ class TorchrunWorld(PersistentWorld["Agents | Dead"]):
                 driver=listener.address,
             )
         else:
-            listener = AgentListener(address, _channel.load_token(options.token_file))
+            listener = AgentListener(address, channel.load_token(options.token_file))
         host, port = listener.address
-        if not _channel.is_loopback(address[0]):
-            _channel.log.warning(
+        if not channel.is_loopback(address[0]):
+            channel.log.warning(
                 "distconf: WARNING: the torchrun runner listens on %s:%d, beyond this machine's "
                 "loopback: anyone who can reach it may try to attach. Only agents proving the "
                 "token are served; the channel is not encrypted.",
@@ -169,7 +169,7 @@ class TorchrunWorld(PersistentWorld["Agents | Dead"]):
                 port,
             )
         if not options.launches:
-            _channel.log.warning(
+            channel.log.warning(
                 "distconf: waiting up to %g s for %d agents: torchrun ... -m harness.attach "
                 "--driver %s:%d",
                 options.attach_timeout,
@@ -204,7 +204,7 @@ class TorchrunWorld(PersistentWorld["Agents | Dead"]):
             inbox.pump(min(0.5, max(0.0, deadline - time.monotonic())))
         agents = inbox.take_agents()
         self.attaches += 1
-        settings = _channel.AgentSettings(**{**vars(self.settings), "round": self.attaches})
+        settings = channel.AgentSettings(**{**vars(self.settings), "round": self.attaches})
         send([conn for _, conn in agents.values()], ("settings", settings))
         conns = {}
         for rank, (info, _) in sorted(agents.items()):

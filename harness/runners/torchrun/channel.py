@@ -6,7 +6,7 @@ an HMAC-SHA256 of it under the token and a nonce of its own, the driver answers 
 (each end's proof names its role, so neither can reflect the other's). After the handshake
 the socket carries ``multiprocessing.connection`` frames; the first, the agent's hello, is
 read by an unpickler that builds nothing but an ``AgentInfo``. The driver's end, which
-refuses and logs whatever fails this, is ``_listener``. The channel authenticates its peers;
+refuses and logs whatever fails this, is ``listener``. The channel authenticates its peers;
 it does not encrypt, so run it on a network you trust.
 
 The token comes from ``$DISTCONF_TOKEN`` or a file (``--token-file``); the single-host

@@ -7,7 +7,7 @@ binds a given address only to a listening socket handed to it), so torchrun host
 rendezvous is a file store in the launcher's directory (``--rdzv-conf=store_type=file``), its
 agent store is switched off (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``), and the ranks' groups
 meet in a TCPStore this process hosts on a socket bound to 127.0.0.1 (the agents point their
-ranks at it: ``_channel.GROUP_STORE_VAR``); gloo runs on the loopback interface unless
+ranks at it: ``channel.GROUP_STORE_VAR``); gloo runs on the loopback interface unless
 ``GLOO_SOCKET_IFNAME`` names another.
 
 Everything torchrun and its workers write goes into one directory, removed on ``stop``:
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.runners import _channel
+from harness.runners.torchrun import channel
 
 _STOP_GRACE = 30.0
 _TERM_WAIT = 10.0
@@ -71,9 +71,9 @@ class LocalTorchrun:
                 token_file = self.dir / "token"
                 fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                    handle.write(_channel.new_token())
+                    handle.write(channel.new_token())
             self.token_file = token_file
-            self.token = _channel.load_token(token_file)
+            self.token = channel.load_token(token_file)
         except BaseException:
             self._remove_files()
             raise
@@ -121,7 +121,7 @@ class LocalTorchrun:
                 "PYTHONPATH": os.pathsep.join(filter(None, [_HARNESS_ROOT, env.get("PYTHONPATH")])),
                 "TMPDIR": str(temporary),
                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-                _channel.GROUP_STORE_VAR: f"{_LOOPBACK}:{store_port}",
+                channel.GROUP_STORE_VAR: f"{_LOOPBACK}:{store_port}",
                 GLOO_INTERFACE_VAR: gloo_interface(),
             }
         )

@@ -1,7 +1,7 @@
 """A rank agent: what ``python -m harness.attach`` runs in each process torchrun starts.
 
 The agent is a supervisor of one rank process. It reads who it is from torchrun's
-environment, connects to the driver twice over the authenticated channel (``_channel``): a
+environment, connects to the driver twice over the authenticated channel (``channel``): a
 control connection it keeps, and a rank connection it hands to the rank process it starts
 (``_rank_process.main``, the process runner's rank code, on a socket instead of a pipe,
 joining the process group through torchrun's store). On the control connection it answers
@@ -28,12 +28,13 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-from harness.runners import _channel, _rank_process
+from harness.runners import _rank_process
+from harness.runners.torchrun import channel
 
 CONNECT_TIMEOUT = 120.0
 
 
-def agent_info() -> _channel.AgentInfo:
+def agent_info() -> channel.AgentInfo:
     """This process's place in torchrun's world, from the environment torchrun sets."""
     env = os.environ
     missing = [name for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if name not in env]
@@ -42,7 +43,7 @@ def agent_info() -> _channel.AgentInfo:
             f"harness.attach runs under torchrun: {', '.join(missing)} not set "
             "(torchrun ... -m harness.attach --driver HOST:PORT)"
         )
-    return _channel.AgentInfo(
+    return channel.AgentInfo(
         rank=int(env["RANK"]),
         world_size=int(env["WORLD_SIZE"]),
         local_rank=int(env["LOCAL_RANK"]),
@@ -60,8 +61,8 @@ def _connect(driver: tuple[str, int], token: bytes, timeout: float) -> Connectio
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return _channel.connect(driver, token, timeout=_channel.HANDSHAKE_TIMEOUT)
-        except (ConnectionRefusedError, _channel.NoGreeting):
+            return channel.connect(driver, token, timeout=channel.HANDSHAKE_TIMEOUT)
+        except (ConnectionRefusedError, channel.NoGreeting):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
@@ -71,17 +72,17 @@ def _use_group_store() -> None:
     """Where the driver hosts the store of the ranks' groups (the torchrun it started here:
     on loopback, where torchrun's own would listen on every interface), the rank process
     meets its peers there, as a client of an agent store, instead of torchrun's."""
-    address = os.environ.get(_channel.GROUP_STORE_VAR)
+    address = os.environ.get(channel.GROUP_STORE_VAR)
     if not address:
         return
-    host, port = _channel.parse_address(_channel.GROUP_STORE_VAR, address)
+    host, port = channel.parse_address(channel.GROUP_STORE_VAR, address)
     os.environ.update(
         MASTER_ADDR=host, MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE=str(True)
     )
 
 
 class _Supervisor:
-    def __init__(self, driver: tuple[str, int], token: bytes, info: _channel.AgentInfo) -> None:
+    def __init__(self, driver: tuple[str, int], token: bytes, info: channel.AgentInfo) -> None:
         self.driver, self.token, self.info = driver, token, info
         self.serial = 0
         self.child: Any = None
@@ -99,7 +100,7 @@ class _Supervisor:
         kind, body = pickle.loads(self.control.recv_bytes())
         if kind != "settings":
             raise SystemExit(f"harness.attach: the driver refused this agent: {body}")
-        self.settings: _channel.AgentSettings = body
+        self.settings: channel.AgentSettings = body
 
     def start_rank(self, generation: int) -> None:
         """A rank process on a new rank connection, joining group ``generation``."""
@@ -218,12 +219,12 @@ def main(argv: list[str] | None = None) -> int:
         "--token-file",
         type=Path,
         default=None,
-        help=f"file holding the session's token (default: ${_channel.TOKEN_VAR})",
+        help=f"file holding the session's token (default: ${channel.TOKEN_VAR})",
     )
     args = parser.parse_args(argv)
     try:
-        driver = _channel.parse_address("--driver", args.driver)
-        token = _channel.load_token(args.token_file)
+        driver = channel.parse_address("--driver", args.driver)
+        token = channel.load_token(args.token_file)
     except Exception as exc:
         parser.error(str(exc))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun stops its workers with SIGTERM
