@@ -1,5 +1,6 @@
-"""The fault catalogue and ``mutate``: patches apply and revert exactly, fail loudly when their
-target is gone, reach rank processes; detection is read off the results records."""
+"""The fault catalogue: patches apply and revert exactly, fail loudly when their target is
+gone, reach rank processes; each fault in the module of its area, saying how it was written;
+fault files of one's own. ``mutate`` itself: ``test_mutate``."""
 
 from __future__ import annotations
 
@@ -8,17 +9,13 @@ import os
 import subprocess
 import sys
 import textwrap
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from harness import catalogue, faults
-from harness.config import RunConfig
-from harness.faults import Fault, FaultError, Patch
-from harness.mutation import mutate
-from harness.report.records import ReportError
-from harness.report.render import build_page, render_page
+from harness.errors import InvalidArgument
+from harness.faults import WITH_THE_PROPERTY, Fault, FaultError, Origin, Patch, blind, held_out
 
 MODULE = """
 class Owner:
@@ -116,6 +113,88 @@ def test_the_catalogue_has_unique_ids_in_known_areas_and_covers_the_mission():
         assert fault.summary and fault.bug_class and fault.patches
 
 
+def test_each_module_holds_the_faults_of_the_area_it_is_named_for():
+    """A module per catalogue area (``uneven``), or per sub-area (``state_dict_dcp``)."""
+    import importlib
+    import pkgutil
+
+    named = [m.name for m in pkgutil.iter_modules(faults.__path__) if not m.name.startswith("_")]
+    found = []
+    for name in sorted(set(named) - {"held_out"}):
+        module = importlib.import_module(f"harness.faults.{name}")
+        for fault in module.FAULTS:
+            assert name == fault.area or name.startswith(f"{fault.area}_"), (name, fault.id)
+        found += [fault.id for fault in module.FAULTS]
+    assert sorted(found) == sorted(faults.BUILTIN)  # each fault in exactly one module
+
+
+def test_the_fault_catalogue_loads_without_torch():
+    code = "import sys, harness.faults; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
+
+
+def test_every_fault_says_how_it_was_written_and_a_blind_one_its_upstream_report():
+    for fault in faults.FAULTS.values():
+        origin = fault.origin
+        assert origin.written in ("with the property", "blind"), f"{fault.id}: {origin}"
+        if origin.written == "blind":
+            assert origin.held_out in held_out.SETS, f"{fault.id}: {origin.held_out!r}"
+            assert origin.upstream and all(u.startswith("https://") for u in origin.upstream)
+            assert isinstance(origin.survived_before, bool), fault.id
+
+
+def test_the_held_out_sets_hold_what_their_record_counts():
+    """``harness.faults.held_out`` records 29, 18 and 19 faults and how many survived the
+    suites before: 11, 11 and 14."""
+    blind_faults = [f.origin for f in faults.FAULTS.values() if f.origin.written == "blind"]
+    sizes = {name: sum(o.held_out == name for o in blind_faults) for name in held_out.SETS}
+    survived = {
+        name: sum(o.held_out == name and bool(o.survived_before) for o in blind_faults)
+        for name in held_out.SETS
+    }
+    assert sizes == {held_out.FIRST: 29, held_out.DTENSOR_DEPTH: 18, held_out.TRAINING_KNOBS: 19}
+    assert survived == {held_out.FIRST: 11, held_out.DTENSOR_DEPTH: 11, held_out.TRAINING_KNOBS: 14}
+
+
+def test_an_origin_names_itself_as_the_table_shows_it():
+    assert WITH_THE_PROPERTY.label == "written with the property"
+    assert blind("DTensor depth", "https://x.org/1").label == "blind, DTensor depth set"
+    assert Origin().label == "origin not stated"
+    assert blind("s", "https://x.org/1", survived_before=True).record() == {
+        "label": "blind, s set",
+        "written": "blind",
+        "held_out": "s",
+        "upstream": ["https://x.org/1"],
+        "survived_before": True,
+    }
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: Origin(written="copied"), r"written='copied' must be one of"),
+        (lambda: blind("DTensor depth"), r"upstream=\(\) must be the upstream report"),
+        (lambda: blind(" ", "https://x.org/1"), r"held_out=' ' must be the name of a blind"),
+        (lambda: blind("s", "pytorch/pytorch#1"), r"upstream=\('pytorch/pytorch#1',\) must be"),
+        (lambda: blind("s", "javascript:alert(1)"), "must be a tuple of http"),
+        (lambda: Origin(held_out="s"), r"held_out='s' must be None unless written blind"),
+        (
+            lambda: Origin(written="with the property", survived_before=False),
+            "survived_before=False must be a bool for a blind fault",
+        ),
+        (lambda: blind("s", "https://x.org/1", survived_before=1), "survived_before=1 must be"),
+        (
+            lambda: Fault(id="x", area="a", bug_class="b", summary="s", patches=(), origin="blind"),
+            "origin='blind' must be a harness.faults.Origin",
+        ),
+    ],
+)
+def test_an_origin_distconf_cannot_read_is_refused_naming_it(make, message):
+    with pytest.raises(InvalidArgument, match=message):
+        make()
+
+
 def test_unknown_fault_ids_are_named():
     with pytest.raises(FaultError, match=r"faults=\['nope'\] are not in the fault catalogue"):
         faults.select(["dtensor.partial_avg_as_sum", "nope"])
@@ -168,6 +247,7 @@ def test_a_fault_file_adds_its_faults_once_and_activate_exports_it(fault_file, v
     monkeypatch.delenv(faults.ENV_VAR, raising=False)
     assert [f.id for f in faults.load_files([fault_file])] == ["own.doubled"]
     assert [f.id for f in faults.load_files([fault_file])] == ["own.doubled"]  # no-op
+    assert faults.FAULTS["own.doubled"].origin.label == "origin not stated"  # none given
     undo = faults.activate(["own.doubled"], [str(fault_file)])
     assert victim.function(3) == 6
     assert faults.exported_files() == [str(fault_file.resolve())]
@@ -186,6 +266,13 @@ def test_a_fault_file_adds_its_faults_once_and_activate_exports_it(fault_file, v
         (
             FAULT_FILE.replace("own.doubled", "dtensor.partial_avg_as_sum"),
             r"ids=\['dtensor.partial_avg_as_sum'\] are already in the catalogue",
+        ),
+        (
+            FAULT_FILE.replace(
+                "from harness.faults import Fault, Patch",
+                "from harness.faults import Fault, Patch, blind",
+            ).replace("patches=(", 'origin=blind("mine"),\n        patches=('),
+            r"failed to import: InvalidArgument\(.upstream=\(\) must be the upstream report",
         ),
     ],
 )
@@ -298,227 +385,3 @@ def test_an_unknown_fault_option_is_a_usage_error(pytester):
     run = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--distconf-faults=nope")
     assert run.ret == pytest.ExitCode.USAGE_ERROR
     assert "--distconf-faults: faults=['nope'] are not in the fault catalogue" in run.stderr.str()
-
-
-def _record(nodeid, status, duration, spec=None, **extra):
-    return {"nodeid": nodeid, "status": status, "duration": duration, "spec": spec, **extra}
-
-
-def test_detection_time_is_the_earlier_tests_plus_the_time_to_the_first_failing_example():
-    result = mutate.FaultResult(fault="f", area="a", bug_class="b", summary="s", caught=False)
-    tests = [
-        _record("t1", "passed", 2.0, "s.one"),
-        _record("t2", "xfailed", 1.0, "s.two"),
-        _record(
-            "t3",
-            "failed",
-            9.0,
-            "s.three",
-            seconds_to_failure=0.5,
-            examples_to_failure=7,
-            falsifying_example="case=X",
-        ),
-    ]
-    mutate._note_detection(result, tests, [tests[2]])
-    assert (result.caught, result.test, result.specs) == (True, "t3", ["s.three"])
-    assert (result.seconds_to_detect, result.examples_to_detect) == (3.5, 7)
-    assert result.counterexample == "case=X"
-
-
-def test_fault_runs_take_one_rank_last():
-    assert mutate.detection_order((1, 2, 3, 4)) == (2, 3, 4, 1)
-    assert mutate.detection_order((4, 1, 2)) == (4, 2, 1)
-    assert mutate.detection_order((1,)) == (1,)
-
-
-def test_suites_of_the_faults_area_run_first_on_their_own():
-    specs = catalogue.load()
-    available = sorted({s.suite for s in specs.values()})
-    first, rest = mutate.suite_phases("zero", available, specs)
-    assert first == ["zero"] and sorted(first + rest) == available
-
-
-def _fake_launch(monkeypatch, statuses_by_suite):
-    """_launch writing one results record per suite of the run, with the given status."""
-    launched: list[list[str]] = []
-
-    def launch(config):
-        suites, out = list(config.suites), config.out
-        assert config.faults and config.exitfirst and config.world_sizes == (2, 1)
-        launched.append(suites)
-        out.mkdir(parents=True, exist_ok=True)
-        records = [
-            {"kind": "test", "nodeid": f"{s}::t", "status": statuses_by_suite[s], "duration": 1.0}
-            for s in suites
-        ]
-        failed = any(record["status"] == "failed" for record in records)
-        end = {"kind": "end", "exitstatus": int(failed)}  # pytest's exit status for them
-        lines = [{"kind": "header", "schema": 1}, *records, end]
-        (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-        return 1, 2.0
-
-    monkeypatch.setattr(mutate, "_launch", launch)
-    return launched
-
-
-def test_a_fault_caught_by_its_area_suites_never_runs_the_rest(monkeypatch, tmp_path):
-    launched = _fake_launch(monkeypatch, {"zero": "failed", "placements": "passed"})
-    fault = faults.FAULTS["zero.round_robin_partition"]
-    result = mutate.fault_run(fault, CONFIG, tmp_path, (["zero"], ["placements"]))
-    assert launched == [["zero"]]
-    assert result.caught and result.test == "zero::t" and result.wall_seconds == 2.0
-
-
-def test_a_fault_its_area_missed_goes_on_to_the_other_suites(monkeypatch, tmp_path):
-    launched = _fake_launch(monkeypatch, {"zero": "passed", "placements": "failed"})
-    fault = faults.FAULTS["zero.round_robin_partition"]
-    result = mutate.fault_run(fault, CONFIG, tmp_path, (["zero"], ["placements"]))
-    assert launched == [["zero"], ["placements"]]
-    assert result.caught and result.test == "placements::t" and result.wall_seconds == 4.0
-
-
-def _fake_runs(monkeypatch, failing_suites=()):
-    """clean_run and fault_run stand-ins: which ran, in which order; no subprocesses."""
-    ran: list[str] = []
-
-    def clean_run(config, out, suites):
-        ran.append(f"clean:{suites[0]}")
-        failed = suites[0] in failing_suites
-        unexpected = [f"{suites[0]}::t: failed"] if failed else []
-        return {
-            "exit_code": int(failed),
-            "verdict": "fail" if failed else "pass",
-            "seconds": 1.0,
-            "tests": 1,
-            "unexpected": unexpected,
-            "results": str(out),
-        }
-
-    def fault_run(fault, config, out, suites, *, cheap_first=None):
-        ran.append(f"fault:{fault.id}")
-        result = mutate._uncaught(fault)
-        result.caught = True
-        return result
-
-    monkeypatch.setattr(mutate, "clean_run", clean_run)
-    monkeypatch.setattr(mutate, "fault_run", fault_run)
-    return ran
-
-
-CONFIG = RunConfig(world_sizes=(1, 2), suites=("placements", "uneven"))
-TWO_FAULTS = ["dtensor.partial_avg_as_sum", "uneven.padding_leaks"]
-
-
-@pytest.mark.parametrize("jobs", [1, 2])
-def test_mutate_runs_every_clean_suite_and_every_fault(monkeypatch, tmp_path, jobs):
-    ran = _fake_runs(monkeypatch)
-    result = mutate.mutate(replace(CONFIG, out=tmp_path), TWO_FAULTS, jobs=jobs)
-    assert sorted(ran) == sorted(
-        ["clean:placements", "clean:uneven", *(f"fault:{f}" for f in TWO_FAULTS)]
-    )
-    assert result.score == (2, 2) and result.void is None and result.finished
-    assert result.clean["suite_runs"] == 2 and result.clean["tests"] == 2
-    written = json.loads((tmp_path / "mutation.json").read_text())
-    assert written["score"] == {"caught": 2, "faults": 2} and written["finished"]
-
-
-def test_a_failing_clean_suite_voids_the_score_and_later_fault_runs_do_not_start(
-    monkeypatch, tmp_path
-):
-    ran = _fake_runs(monkeypatch, failing_suites=("uneven",))
-    result = mutate.mutate(replace(CONFIG, out=tmp_path), TWO_FAULTS, jobs=1)
-    assert sorted(ran) == ["clean:placements", "clean:uneven"]  # and no fault run
-    assert result.void and "verdict fail, exit code 1, 1 unexpected outcome(s)" in result.void
-    assert [r.problem for r in result.results] == [
-        "not run: a clean suite run failed before this fault's run"
-    ] * 2
-    assert result.score == (0, 2)
-
-
-def _table(tmp_path, **overrides):
-    row = {
-        "fault": "dtensor.partial_avg_as_sum",
-        "area": "placements",
-        "bug_class": "<b>lowered</b>",
-        "summary": "avg as sum",
-        "caught": True,
-        "specs": ["placements.redistribute.roundtrip"],
-        "seconds_to_detect": 1.5,
-        "examples_to_detect": 3,
-        "counterexample": "<script>alert(1)</script>",
-        "wall_seconds": 12.0,
-    }
-    data = {
-        "schema": 1,
-        "config": {"runner": "threads", "profile": "ci", "world_sizes": "1,2"},
-        "clean": {"tests": 10, "seconds": 60.0},
-        "results": [row, {**row, "fault": "x.survivor", "caught": False, "specs": []}],
-        "score": {"caught": 1, "faults": 2},
-        "finished": True,
-        "void": None,
-        **overrides,
-    }
-    path = tmp_path / "mutation.json"
-    path.write_text(json.dumps(data))
-    return path
-
-
-FIXTURE_RUN = [Path(__file__).resolve().parent / "fixtures" / "report" / "results.jsonl"]
-
-
-def test_the_report_shows_the_score_each_fault_and_escapes_them(tmp_path):
-    html = render_page(build_page(FIXTURE_RUN, mutation_table=_table(tmp_path)))
-    assert 'id="mutation"' in html and "1/2 faults caught" in html
-    assert "x.survivor" in html and "survived" in html
-    assert "<script>alert(1)</script>" not in html and "&lt;b&gt;lowered" in html
-
-
-def test_a_void_score_says_why(tmp_path):
-    table = _table(tmp_path, void="clean failed")
-    html = render_page(build_page(FIXTURE_RUN, mutation_table=table))
-    assert "score void" in html and "clean failed" in html
-
-
-def test_a_malformed_table_is_a_report_error(tmp_path):
-    path = tmp_path / "mutation.json"
-    path.write_text("{not json")
-    with pytest.raises(ReportError, match=r"mutation\.json' is malformed"):
-        build_page(FIXTURE_RUN, mutation_table=path)
-
-
-def test_the_launcher_runs_each_run_in_a_process_of_its_own(tmp_path):
-    from harness.mutation import launcher
-
-    common = RunConfig(suites=("placements",), world_sizes=(2,))
-    select = ["-k", "distribute_tensor_matches_model"]
-    faulty = replace(
-        common,
-        out=tmp_path / "faulty",
-        faults=("dtensor.partial_avg_as_sum", "dtensor.partial_reduced_twice"),
-    )
-    assert launcher.run(faulty, tmp_path / "faulty.txt", extra=select) == 1
-    assert "1 unexpected outcome(s)" in (tmp_path / "faulty.txt").read_text()
-    clean = replace(common, out=tmp_path / "clean")
-    assert launcher.run(clean, tmp_path / "clean.txt", extra=select) == 0  # nothing leaked
-
-
-@pytest.mark.parametrize(
-    ("expectation", "unexpected"),
-    [({"status": "flaky"}, 0), ({"status": "xfail"}, 1), (None, 1)],
-)
-def test_a_clean_run_counts_an_unexpected_pass_as_its_verdict_does(
-    monkeypatch, tmp_path, expectation, unexpected
-):
-    """An expected failure that did not show is unexpected, except for a flaky deviation
-    (met by some examples only), as in the run's own verdict."""
-
-    def launch(config):
-        record = {"kind": "test", "nodeid": "p::t", "status": "xpassed", "duration": 1.0}
-        config.out.mkdir(parents=True, exist_ok=True)
-        lines = [{"kind": "header", "schema": 1}, {**record, "expectation": expectation}]
-        (config.out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-        return 0, 1.0
-
-    monkeypatch.setattr(mutate, "_launch", launch)
-    clean = mutate.clean_run(CONFIG, tmp_path / "clean", ["placements"])
-    assert len(clean["unexpected"]) == unexpected

@@ -2,6 +2,18 @@
 a class of bug that ships in distributed training code. ``python -m harness mutate`` runs the
 suites once clean and once per fault, and scores how many faults the properties catch.
 
+The faults live in one module per area of the spec catalogue they break, split by sub-area
+where one module would be too long: ``placements_rules`` (placement transforms, redistribute
+plans, op and view sharding rules), ``placements_api`` (from_local / to_local, their
+gradients, result metadata, factories), ``placements_meshes``, ``uneven``,
+``optim_data_parallel`` (FSDP2, HSDP and DDP around forward and backward),
+``optim_kernels`` (optimizer kernels, clip_grad_norm_), ``zero``, ``fsdp_init``,
+``state_dict_dcp`` (distributed checkpoints), ``state_dict_api`` (the distributed
+state-dict API), ``hsdp``, ``tp``; ``_wraps`` holds the wraps faults of several areas share.
+How each fault was written is data on it (``Fault.origin``): with the property, or blind in a
+held-out set from upstream reports (``held_out`` records what each set found). Each patch was
+written for torch 2.13: a target that is gone raises ``FaultError`` when applied.
+
 A fault is active for a whole pytest session: ``--distconf-faults=ID,...`` applies it in the
 driver (and so in thread-runner ranks) and, through ``$DISTCONF_FAULTS``, in every rank
 process of the process runner before its first call. Nothing here imports torch until a
@@ -10,6 +22,7 @@ fault is applied.
 Faults of one's own (a vendor's known bugs, a held-out set) live in a Python file defining
 ``FAULTS = (Fault(...), ...)``: ``--distconf-fault-files=PATH,...`` (or
 ``$DISTCONF_FAULT_FILES``) adds them to the catalogue for that session and its rank processes.
+Such a fault needs no ``origin``: without one, it is counted as "origin not stated".
 """
 
 from __future__ import annotations
@@ -22,37 +35,39 @@ from pathlib import Path
 
 from harness.errors import FaultError
 from harness.faults import (
-    blind_dtensor,
-    blind_dtensor_depth,
-    blind_dtensor_depth2,
-    blind_knobs,
-    blind_knobs2,
-    blind_state_dict,
-    blind_training,
-    dtensor,
-    modules,
-    parallel,
-    state_dict,
-    training,
+    fsdp_init,
+    hsdp,
+    optim_data_parallel,
+    optim_kernels,
+    placements_api,
+    placements_meshes,
+    placements_rules,
+    state_dict_api,
+    state_dict_dcp,
+    tp,
+    uneven,
+    zero,
 )
+from harness.faults._origin import WITH_THE_PROPERTY, WRITTEN, Origin, blind
 from harness.faults._patch import Fault, Patch, Undo
 
 ENV_VAR = "DISTCONF_FAULTS"
 FILES_ENV_VAR = "DISTCONF_FAULT_FILES"
 
+# The areas in the catalogue's order (specs/catalogue.toml).
 _ALL = (
-    *dtensor.FAULTS,
-    *modules.FAULTS,
-    *training.FAULTS,
-    *state_dict.FAULTS,
-    *parallel.FAULTS,
-    *blind_dtensor.FAULTS,
-    *blind_dtensor_depth.FAULTS,
-    *blind_dtensor_depth2.FAULTS,
-    *blind_training.FAULTS,
-    *blind_state_dict.FAULTS,
-    *blind_knobs.FAULTS,
-    *blind_knobs2.FAULTS,
+    *placements_rules.FAULTS,
+    *placements_api.FAULTS,
+    *placements_meshes.FAULTS,
+    *uneven.FAULTS,
+    *optim_data_parallel.FAULTS,
+    *optim_kernels.FAULTS,
+    *zero.FAULTS,
+    *fsdp_init.FAULTS,
+    *state_dict_dcp.FAULTS,
+    *state_dict_api.FAULTS,
+    *hsdp.FAULTS,
+    *tp.FAULTS,
 )
 FAULTS: dict[str, Fault] = {fault.id: fault for fault in _ALL}
 BUILTIN = frozenset(FAULTS)
@@ -172,11 +187,15 @@ __all__ = [
     "ENV_VAR",
     "FAULTS",
     "FILES_ENV_VAR",
+    "WITH_THE_PROPERTY",
+    "WRITTEN",
     "Fault",
     "FaultError",
+    "Origin",
     "Patch",
     "activate",
     "apply_in_rank",
+    "blind",
     "exported",
     "exported_files",
     "load_files",

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from harness.errors import FaultError
+from harness.errors import FaultError, require
+from harness.faults._origin import NOT_STATED, Origin
 
 Undo = Callable[[], None]
 _MISSING = object()
@@ -61,48 +61,6 @@ class Patch:
         return owner, name
 
 
-def forcing_argument(name: str, value: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A ``Patch.wrap`` that calls the original with argument ``name`` set to ``value``,
-    however the caller passed it (positionally, by keyword or not at all)."""
-
-    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
-        signature = inspect.signature(original)
-
-        def forced(*args: Any, **kwargs: Any) -> Any:
-            bound = signature.bind(*args, **kwargs)
-            bound.arguments[name] = value
-            return original(*bound.args, **bound.kwargs)
-
-        return forced
-
-    return wrap
-
-
-def rewritten(*edits: tuple[str, str]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A ``Patch.wrap`` that recompiles a function (or method) from its own source with each
-    ``old`` line replaced by ``new`` (each ``old`` must occur exactly once), in the function's
-    own module globals (decorators are re-applied; the module itself is not touched)."""
-
-    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
-        function = inspect.unwrap(original)
-        source = textwrap.dedent(inspect.getsource(function))
-        for old, new in edits:
-            if source.count(old) != 1:
-                raise FaultError(
-                    f"{function.__module__}.{function.__qualname__}: expected exactly one "
-                    f"occurrence of {old.strip()!r} in torch's source; the fault was written "
-                    "for torch 2.13 and must be updated"
-                )
-            source = source.replace(old, new)
-        namespace: dict[str, Any] = {}
-        code = compile(source, inspect.getsourcefile(function) or "<fault>", "exec")
-        exec(code, function.__globals__, namespace)  # recompiling torch's own code
-        recompiled: Callable[..., Any] = namespace[function.__name__]
-        return recompiled
-
-    return wrap
-
-
 def _gone(target: str, part: str) -> str:
     import torch
 
@@ -124,6 +82,13 @@ class Fault:
     summary: str
     """What the patch does, precisely."""
     patches: tuple[Patch, ...]
+    origin: Origin = NOT_STATED
+    """How it was written (``harness.faults.Origin``): with the property, or blind in a
+    held-out set from upstream reports. A fault file's fault need not say: its origin is then
+    "not stated", counted apart from distconf's own."""
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.origin, Origin), "origin", self.origin, "a harness.faults.Origin")
 
     def apply(self) -> Undo:
         """Apply every patch (all or none); return the function that reverts them."""

@@ -1,56 +1,31 @@
-"""Blind faults in state dicts and checkpointing: DCP's load planning and byte items, the
-distributed state-dict API's FQNs, param groups and full state dicts, FSDP2's state-dict
-hooks.
-
-Written blind, as a held-out set: by a contributor who read upstream's bug reports and
-torch's source but not distconf's suites, strategies or specs, each fault standing for a
-real upstream bug or bug class (the comment above it). Run against the suites as they then
-were, 4 of 9 survived; each survivor pointed at a weak property, strengthened in
-general rather than aimed at the fault:
-- later_param_group_hparams_not_loaded: a fresh optimizer differed from the saved one in its
-  first group only; now in every group's lr and weight decay.
-- init_optim_state_lrs_reversed: hidden by the known deviation of
-  state_dict.optim.get_has_no_side_effect (state_dict.optim.get_keeps_hyperparameters).
-- dcp_load_missing_keys_silently_skipped: no checkpoint ever lacked a key
-  (state_dict.dcp.missing_key_refused).
-- ddp_prefix_kept_in_fqns: the state-dict properties drew fully_shard layouts only
-  (state_dict.ddp.canonical_fqns).
-
-Each patch was written for torch 2.13: a target that is gone raises FaultError when applied.
-"""
+"""Faults in the distributed state-dict API (torch.distributed.checkpoint.state_dict) and what
+FSDP2 hands it: FQNs, the optimizer state and its initialisation, param groups, full state
+dicts, tied parameters, FSDP2's state-dict hooks and lazy re-padding."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from harness.faults._patch import Fault, Patch, forcing_argument
+from harness.faults._origin import WITH_THE_PROPERTY, blind
+from harness.faults._patch import Fault, Patch
+from harness.faults._wraps import forcing_argument, rewritten
+from harness.faults.held_out import FIRST, TRAINING_KNOBS
 
+_PARAM = "torch.distributed.fsdp._fully_shard._fsdp_param"
+_PARAM_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
 _STATE_DICT = "torch.distributed.checkpoint.state_dict"
-_DEFAULT_PLANNER = "torch.distributed.checkpoint.default_planner"
-_PLANNER_HELPERS = "torch.distributed.checkpoint.planner_helpers"
-_FSDP_PARAM_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
 
 
-# --- DCP: non-tensor values read back into the flattened copy only -------------------------
+def _last_entry_dropped(original: Callable[..., Any]) -> Callable[..., Any]:
+    def get_optim_state_dict(*args: Any, **kwargs: Any) -> Any:
+        optim_state_dict = original(*args, **kwargs)
+        state = optim_state_dict.get("state")
+        if state:
+            state.pop(next(reversed(state)))
+        return optim_state_dict
 
-
-def _bytes_into_flat_copy(original: Callable[..., Any]) -> Callable[..., Any]:
-    def load_bytes(self: Any, read_item: Any, value: Any) -> None:
-        if not self.flatten_state_dict:
-            original(self, read_item, value)
-            return None
-        import torch
-
-        # The flattened dict is a planner-private copy: the caller's (nested) state dict,
-        # where lr / param_groups / python scalars live, never sees the loaded value.
-        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
-        return None
-
-    return load_bytes
-
-
-# --- DSD: hyperparameters of param groups after the first are not loaded ------------------
+    return get_optim_state_dict
 
 
 def _later_groups_keep_live_hparams(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -65,9 +40,6 @@ def _later_groups_keep_live_hparams(original: Callable[..., Any]) -> Callable[..
         return ret
 
     return _split_optim_state_dict
-
-
-# --- DSD: _init_optim_state restores the lrs in the wrong group order ---------------------
 
 
 def _lrs_restored_reversed(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -98,22 +70,6 @@ def _lrs_restored_reversed(original: Callable[..., Any]) -> Callable[..., Any]:
     return _init_optim_state
 
 
-# --- DCP resharding: destination offset dropped when a saved chunk starts inside ours -----
-
-
-def _dest_offset_dropped(original: Callable[..., Any]) -> Callable[..., Any]:
-    def _shards_get_overlap_region_wrt_saved_tensor(saved_shard: Any, current_shard: Any) -> Any:
-        return [
-            (dim, saved_offset, 0, length)
-            for dim, saved_offset, _current_offset, length in original(saved_shard, current_shard)
-        ]
-
-    return _shards_get_overlap_region_wrt_saved_tensor
-
-
-# --- DSD full_state_dict load: 0-dim tensors skipped when distributing ---------------------
-
-
 def _scalars_not_distributed(original: Callable[..., Any]) -> Callable[..., Any]:
     def _distribute_state_dict(
         full_state_dict: dict[str, Any],
@@ -133,9 +89,6 @@ def _scalars_not_distributed(original: Callable[..., Any]) -> Callable[..., Any]
     return _distribute_state_dict
 
 
-# --- DSD full_state_dict: DTensors gathered over the first mesh dimension only -------------
-
-
 def _first_mesh_dim_only(original: Callable[..., Any]) -> Callable[..., Any]:
     def _gather_state_dict(state_dict: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
         from torch.distributed.tensor import DTensor, Replicate
@@ -153,9 +106,6 @@ def _first_mesh_dim_only(original: Callable[..., Any]) -> Callable[..., Any]:
         return gathered
 
     return _gather_state_dict
-
-
-# --- FSDP2: no reshard before state_dict() ------------------------------------------------
 
 
 def _no_pre_save_reshard(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -181,20 +131,72 @@ def _no_pre_save_reshard(original: Callable[..., Any]) -> Callable[..., Any]:
     return _register_state_dict_hooks
 
 
-FAULTS = (
-    # https://github.com/pytorch/pytorch/issues/129079 (fixed by PR #129398): after a 2.3
-    # regression, dcp.load restored tensors in place but non-tensor values such as the
-    # optimizer's learning rate were no longer written back into the caller's state dict.
+# FSDPParam.reset_sharded_param without its idempotency check: lazy init re-pads an unevenly
+# sharded parameter into a new tensor although it is already padded.
+_REPAD_ALWAYS_EDIT = (
+    "    if local_tensor.size() != padded_sharded_size and not same_local_tensor:\n",
+    "    same_local_tensor = False\n"
+    "    if local_tensor.size() != padded_sharded_size and not same_local_tensor:\n",
+)
+
+
+def _optimizer_state_untouched(optim: Any) -> bool:
+    """``_init_optim_state``'s precondition: no optimizer state and no gradients yet."""
+    if optim.state:
+        return False
+    return all(p.grad is None for group in optim.param_groups for p in group["params"])
+
+
+def _tensor_lr_zeroed_in_place(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _init_optim_state(optim: Any) -> None:
+        import torch
+
+        if _optimizer_state_untouched(optim):
+            for group in optim.param_groups:
+                lr = group.get("lr")
+                if isinstance(lr, torch.Tensor):
+                    # Zeroed in place for the dummy step, so the saved reference that is
+                    # "restored" afterwards is the zeroed tensor itself.
+                    lr.zero_()
+        original(optim)
+
+    return _init_optim_state
+
+
+def _grads_wiped_mid_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _init_optim_state(optim: Any) -> None:
+        if not optim.state:
+            # The "gradients already exist, leave them alone" early return is gone: the dummy
+            # zero-gradient step runs between backward and step and clears the real gradients.
+            for group in optim.param_groups:
+                for param in group["params"]:
+                    param.grad = None
+        original(optim)
+
+    return _init_optim_state
+
+
+def _every_alias_loaded(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _split_optim_state_dict(model: Any, optim: Any, optim_state_dict: Any, info: Any) -> Any:
+        shared = info.shared_params_mapping
+        info.shared_params_mapping = {}  # every FQN of a shared parameter counts as its own
+        try:
+            return original(model, optim, optim_state_dict, info)
+        finally:
+            info.shared_params_mapping = shared
+
+    return _split_optim_state_dict
+
+
+FAULTS: tuple[Fault, ...] = (
     Fault(
-        id="state_dict.dcp_non_tensor_values_not_loaded",
+        id="state_dict.optim_state_entry_dropped",
         area="state_dict",
-        bug_class="loaded values written into a private copy instead of the caller's object",
-        summary="dcp.load (DefaultLoadPlanner with flatten_state_dict) puts every non-tensor "
-        "value it reads (param_groups lr/betas, python ints/floats, strings) into the "
-        "planner's flattened copy only; the caller's state dict keeps its old values",
-        patches=(
-            Patch(f"{_DEFAULT_PLANNER}:DefaultLoadPlanner.load_bytes", _bytes_into_flat_copy),
-        ),
+        bug_class="one optimizer-state entry skipped in a state dict",
+        summary="get_state_dict / get_optimizer_state_dict leave out the last parameter's "
+        "optimizer state",
+        patches=(Patch(f"{_STATE_DICT}:_get_optim_state_dict", _last_entry_dropped),),
+        origin=WITH_THE_PROPERTY,
     ),
     # https://github.com/pytorch/pytorch/issues/143828: after set_optimizer_state_dict only
     # the first param group received the checkpoint's hyperparameters (lr, betas, ...); the
@@ -207,6 +209,9 @@ FAULTS = (
         "load the state and the first param group's hyperparameters, but every later param "
         "group keeps the live optimizer's lr/weight_decay/... instead of the checkpoint's",
         patches=(Patch(f"{_STATE_DICT}:_split_optim_state_dict", _later_groups_keep_live_hparams),),
+        origin=blind(
+            FIRST, "https://github.com/pytorch/pytorch/issues/143828", survived_before=True
+        ),
     ),
     # Bug class, no single issue (the code is the lr save/restore of _init_optim_state that
     # https://github.com/pytorch/pytorch/issues/139575 touched): the dummy zero-lr step saves
@@ -222,24 +227,8 @@ FAULTS = (
         "initialisation step: with two or more groups of different lr, the live optimizer "
         "and the returned state dict have the groups' lrs permuted",
         patches=(Patch(f"{_STATE_DICT}:_init_optim_state", _lrs_restored_reversed),),
-    ),
-    # https://github.com/pytorch/xla/pull/7155 (same DCP read-item contract; cf. the
-    # resharding failures in https://github.com/pytorch/torchtitan/issues/811): ReadItem
-    # destination offsets were computed wrongly, so checkpoints loaded at another topology
-    # landed at the wrong place in the local shard.
-    Fault(
-        id="state_dict.dcp_reshard_dest_offset_dropped",
-        area="state_dict",
-        bug_class="resharding overlap computed with a wrong destination offset",
-        summary="dcp.load's overlap computation reports destination offset 0 even when the "
-        "saved chunk starts inside the local chunk: loading into bigger local chunks than were "
-        "saved (fewer ranks, or a full tensor) stacks every saved chunk at the start of the "
-        "local tensor and leaves the rest unloaded",
-        patches=(
-            Patch(
-                f"{_PLANNER_HELPERS}:_shards_get_overlap_region_wrt_saved_tensor",
-                _dest_offset_dropped,
-            ),
+        origin=blind(
+            FIRST, "https://github.com/pytorch/pytorch/issues/139575", survived_before=True
         ),
     ),
     # Bug class; the 0-dim special case it breaks was reworked in
@@ -255,6 +244,9 @@ FAULTS = (
         "optimizer 'step' and scalar buffers (e.g. num_batches_tracked) keep their current "
         "local values instead of the checkpoint's",
         patches=(Patch(f"{_STATE_DICT}:_distribute_state_dict", _scalars_not_distributed),),
+        origin=blind(
+            FIRST, "https://github.com/pytorch/pytorch/pull/128004", survived_before=False
+        ),
     ),
     # https://github.com/pytorch/pytorch/issues/120722 and
     # https://github.com/pytorch/pytorch/issues/121062: FSDP1's FULL_STATE_DICT for 2D
@@ -268,6 +260,12 @@ FAULTS = (
         "[Replicate, Shard], FSDP+TP) the 'full' tensors are still the local shards of the "
         "other mesh dims; 1D meshes are unaffected",
         patches=(Patch(f"{_STATE_DICT}:_gather_state_dict", _first_mesh_dim_only),),
+        origin=blind(
+            FIRST,
+            "https://github.com/pytorch/pytorch/issues/120722",
+            "https://github.com/pytorch/pytorch/issues/121062",
+            survived_before=False,
+        ),
     ),
     # https://github.com/pytorch/pytorch/issues/144289 (and #131965): after forward an FSDP2
     # module may keep its unsharded parameters registered; only the pre-state_dict hook
@@ -283,26 +281,12 @@ FAULTS = (
         "DTensors",
         patches=(
             Patch(
-                f"{_FSDP_PARAM_GROUP}:FSDPParamGroup._register_state_dict_hooks",
+                f"{_PARAM_GROUP}:FSDPParamGroup._register_state_dict_hooks",
                 _no_pre_save_reshard,
             ),
         ),
-    ),
-    # https://github.com/pytorch/pytorch/issues/148252 (strict behaviour of DCP loading;
-    # PR #123869 added allow_partial_load): a key of the state dict that the checkpoint does
-    # not hold must raise unless partial loading was asked for.
-    Fault(
-        id="state_dict.dcp_load_missing_keys_silently_skipped",
-        area="state_dict",
-        bug_class="strict loading silently downgraded (keys silently dropped)",
-        summary="dcp.load with the default planner (allow_partial_load=False) silently skips "
-        "state-dict keys missing from the checkpoint instead of raising; those entries keep "
-        "their pre-load values",
-        patches=(
-            Patch(
-                f"{_DEFAULT_PLANNER}:create_default_local_load_plan",
-                forcing_argument("strict", False),
-            ),
+        origin=blind(
+            FIRST, "https://github.com/pytorch/pytorch/issues/144289", survived_before=False
         ),
     ),
     # Bug class (DSD's canonical-FQN contract; the DDP 'module.' prefix problem of
@@ -316,5 +300,72 @@ FAULTS = (
         "get_optimizer_state_dict of a DDP-wrapped model key everything as 'module.<fqn>', "
         "and set_*_state_dict expect those keys (a canonical state dict no longer loads)",
         patches=(Patch(f"{_STATE_DICT}:_get_fqns", forcing_argument("skip_ddp_prefix", False)),),
+        origin=blind(
+            FIRST, "https://github.com/pytorch/pytorch/issues/41048", survived_before=True
+        ),
+    ),
+    # https://github.com/pytorch/pytorch/pull/163130 and
+    # https://github.com/pytorch/torchtitan/issues/1136 (a state dict taken before the first
+    # forward went stale: lazy init re-padded the local tensors).
+    Fault(
+        id="fsdp.lazy_init_repads_cached_params",
+        area="state_dict",
+        bug_class="stale reference: an idempotent re-initialisation that reallocates",
+        summary="FSDP2's lazy init re-pads every unevenly sharded parameter into a new local "
+        "tensor even when it is already padded, so a state_dict() (or any reference to the "
+        "local shards) taken before the first forward stops tracking training",
+        patches=(Patch(f"{_PARAM}:FSDPParam.reset_sharded_param", rewritten(_REPAD_ALWAYS_EDIT)),),
+        origin=blind(
+            TRAINING_KNOBS,
+            "https://github.com/pytorch/pytorch/pull/163130",
+            "https://github.com/pytorch/torchtitan/issues/1136",
+            survived_before=False,
+        ),
+    ),
+    # https://github.com/pytorch/pytorch/issues/139575 ("_init_optim_state() should respect
+    # tensor-ness of lr").
+    Fault(
+        id="state_dict.init_optim_state_zeroes_tensor_lr",
+        area="state_dict",
+        bug_class="aliasing: a value saved by reference and mutated in place",
+        summary="the first get_optimizer_state_dict / get_state_dict / set_*_state_dict on an "
+        "optimizer with a tensor lr and no state zeroes the lr tensor in place for the dummy "
+        "step and restores that same tensor, so training continues with lr 0",
+        patches=(Patch(f"{_STATE_DICT}:_init_optim_state", _tensor_lr_zeroed_in_place),),
+        origin=blind(
+            TRAINING_KNOBS, "https://github.com/pytorch/pytorch/issues/139575", survived_before=True
+        ),
+    ),
+    # https://github.com/pytorch/pytorch/issues/164929 ("get_optimizer_state_dict modifies
+    # optimizer state": the dummy initialisation step's side effects on a live optimizer).
+    Fault(
+        id="state_dict.init_optim_state_wipes_grads",
+        area="state_dict",
+        bug_class="a state-dict read with side effects: gradients cleared mid-step",
+        summary="get_optimizer_state_dict / get_state_dict called between backward and step on "
+        "an optimizer without state (first step, or a stateless SGD) runs its zero-gradient "
+        "initialisation step anyway and clears the real gradients, so the step does nothing",
+        patches=(Patch(f"{_STATE_DICT}:_init_optim_state", _grads_wiped_mid_step),),
+        origin=blind(
+            TRAINING_KNOBS, "https://github.com/pytorch/pytorch/issues/164929", survived_before=True
+        ),
+    ),
+    # https://github.com/pytorch/pytorch/issues/128011, fixed by
+    # https://github.com/pytorch/pytorch/pull/128685 (set_optimizer_state_dict assumed every FQN
+    # of a shared parameter is in the optimizer state dict).
+    Fault(
+        id="state_dict.shared_param_loaded_per_alias",
+        area="state_dict",
+        bug_class="tied parameters: one parameter counted once per name",
+        summary="set_optimizer_state_dict / set_state_dict treat each FQN of a tied parameter "
+        "as a parameter of its own when splitting the state dict, so loading the optimizer of "
+        "a model with tied weights fails (missing state, or a param group one entry too long)",
+        patches=(Patch(f"{_STATE_DICT}:_split_optim_state_dict", _every_alias_loaded),),
+        origin=blind(
+            TRAINING_KNOBS,
+            "https://github.com/pytorch/pytorch/issues/128011",
+            "https://github.com/pytorch/pytorch/pull/128685",
+            survived_before=True,
+        ),
     ),
 )
