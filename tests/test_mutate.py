@@ -1,6 +1,6 @@
 """``mutate``: detection read off the results records, the runs it starts and in what order,
-the score (its table, ``mutation.json``, the report's section), and each run in a forked
-process of its own."""
+the score in all and per origin (its table, ``mutation.json``, the report's section), and
+each run in a forked process of its own."""
 
 from __future__ import annotations
 
@@ -136,7 +136,71 @@ def test_mutate_runs_every_clean_suite_and_every_fault(monkeypatch, tmp_path, jo
     assert result.score == (2, 2) and result.void is None and result.finished
     assert result.clean["suite_runs"] == 2 and result.clean["tests"] == 2
     written = json.loads((tmp_path / "mutation.json").read_text())
-    assert written["score"] == {"caught": 2, "faults": 2} and written["finished"]
+    by_origin = [{"origin": "written with the property", "caught": 2, "faults": 2}]
+    assert written["score"] == {"caught": 2, "faults": 2, "by_origin": by_origin}
+    assert written["finished"]
+    assert [r["origin"]["label"] for r in written["results"]] == ["written with the property"] * 2
+
+
+def _result(fault_id, caught):
+    result = mutate._uncaught(faults.FAULTS[fault_id])
+    result.caught = caught
+    return result
+
+
+def test_the_table_scores_each_origin_and_the_json_says_each_faults(tmp_path, capsys):
+    """Written with the property first, then each held-out set in the order it ran."""
+    mutation = mutate.Mutation(config={}, clean={"verdict": "pass", "exit_code": 0})
+    mutation.results = [
+        _result("placements.partial_plus_scalar_kept_partial", True),  # DTensor depth
+        _result("dtensor.partial_avg_as_sum", True),
+        _result("state_dict.dcp_non_tensor_values_not_loaded", False),  # first set
+        _result("placements.to_local_grad_forward_stride", True),  # DTensor depth
+        mutate.FaultResult(fault="own", area="a", bug_class="b", summary="s", caught=True),
+    ]
+    assert mutation.by_origin() == [
+        ("written with the property", 1, 1),
+        ("blind, DTensor depth set", 2, 2),
+        ("blind, first set", 0, 1),
+        ("origin not recorded", 1, 1),
+    ]
+    mutate.print_table(mutation)
+    printed = capsys.readouterr().out
+    assert printed.endswith(
+        "score: 4/5 faults caught\n  written with the property: 1/1\n"
+        "  blind, DTensor depth set: 2/2\n  blind, first set: 0/1\n  origin not recorded: 1/1\n"
+    )
+    mutation.write(tmp_path / "mutation.json")
+    written = json.loads((tmp_path / "mutation.json").read_text())
+    assert written["results"][2]["origin"] == {
+        "label": "blind, first set",
+        "written": "blind",
+        "held_out": "first",
+        "upstream": ["https://github.com/pytorch/pytorch/issues/129079"],
+        "survived_before": False,
+    }
+    assert written["score"]["by_origin"][1] == {
+        "origin": "blind, DTensor depth set",
+        "caught": 2,
+        "faults": 2,
+    }
+
+
+def test_a_void_score_is_not_scored_by_origin_either(capsys):
+    mutation = mutate.Mutation(config={}, void="the clean run did not pass")
+    mutation.results = [_result("dtensor.partial_avg_as_sum", True)]
+    mutate.print_table(mutation)
+    assert capsys.readouterr().out.endswith("score: VOID — the clean run did not pass\n")
+
+
+def test_the_catalogue_listing_says_each_faults_area_and_origin(capsys):
+    mutate.print_catalogue()
+    printed = capsys.readouterr().out.splitlines()
+    assert "dtensor.partial_avg_as_sum  [placements; written with the property]" in printed
+    assert "fsdp.meta_init_padded_copy_not_rebound  [fsdp_init; blind, training knobs set]" in (
+        printed
+    )
+    assert printed[-1] == f"{len(faults.FAULTS)} faults"
 
 
 def test_a_failing_clean_suite_voids_the_score_and_later_fault_runs_do_not_start(
@@ -164,13 +228,22 @@ def _table(tmp_path, **overrides):
         "examples_to_detect": 3,
         "counterexample": "<script>alert(1)</script>",
         "wall_seconds": 12.0,
+        "origin": {
+            "label": "blind, DTensor depth set",
+            "written": "blind",
+            "upstream": ["https://github.com/pytorch/pytorch/issues/1", "javascript:alert(2)"],
+        },
     }
     data = {
         "schema": 1,
         "config": {"runner": "threads", "profile": "ci", "world_sizes": "1,2"},
         "clean": {"tests": 10, "seconds": 60.0},
         "results": [row, {**row, "fault": "x.survivor", "caught": False, "specs": []}],
-        "score": {"caught": 1, "faults": 2},
+        "score": {
+            "caught": 1,
+            "faults": 2,
+            "by_origin": [{"origin": "blind, DTensor depth set", "caught": 1, "faults": 2}],
+        },
         "finished": True,
         "void": None,
         **overrides,
@@ -188,6 +261,24 @@ def test_the_report_shows_the_score_each_fault_and_escapes_them(tmp_path):
     assert 'id="mutation"' in html and "1/2 faults caught" in html
     assert "x.survivor" in html and "survived" in html
     assert "<script>alert(1)</script>" not in html and "&lt;b&gt;lowered" in html
+
+
+def test_the_report_scores_each_origin_and_links_only_http_reports(tmp_path):
+    html = render_page(build_page(FIXTURE_RUN, mutation_table=_table(tmp_path)))
+    assert "By origin: blind, DTensor depth set <strong>1/2</strong>" in html
+    assert '<a href="https://github.com/pytorch/pytorch/issues/1">' in html
+    assert "javascript:alert(2)" not in html
+
+
+def test_a_table_of_faults_without_origins_still_renders(tmp_path):
+    table = _table(tmp_path)
+    data = json.loads(table.read_text())
+    for row in data["results"]:
+        del row["origin"]
+    del data["score"]["by_origin"]
+    table.write_text(json.dumps(data))
+    html = render_page(build_page(FIXTURE_RUN, mutation_table=table))
+    assert "1/2 faults caught" in html and "By origin" not in html
 
 
 def test_a_void_score_says_why(tmp_path):

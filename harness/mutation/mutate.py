@@ -36,6 +36,7 @@ from harness.outcome.results import read_results
 from harness.outcome.verdict import RunVerdict
 
 SCHEMA = 1
+NO_ORIGIN = "origin not recorded"
 
 
 @dataclass
@@ -45,6 +46,9 @@ class FaultResult:
     bug_class: str
     summary: str
     caught: bool
+    origin: dict[str, Any] = field(default_factory=dict)
+    """How the fault was written (``harness.faults.Origin.record``): its ``label``, and for a
+    blind fault its held-out set and the upstream reports it re-creates."""
     specs: list[str] = field(default_factory=list)
     """The specs whose tests failed under the fault."""
     test: str | None = None
@@ -73,12 +77,29 @@ class Mutation:
     def score(self) -> tuple[int, int]:
         return sum(r.caught for r in self.results), len(self.results)
 
+    def by_origin(self) -> list[tuple[str, int, int]]:
+        """The score of each origin (label, caught, faults): faults written with the property
+        first, then each held-out set, then the rest, each in the order its first fault ran."""
+        caught: dict[str, int] = {}
+        total: dict[str, int] = {}
+        rank: dict[str, int] = {}
+        for result in self.results:
+            label = result.origin.get("label", NO_ORIGIN)
+            rank.setdefault(label, _origin_rank(result.origin))
+            caught[label] = caught.get(label, 0) + result.caught
+            total[label] = total.get(label, 0) + 1
+        ordered = sorted(total, key=rank.__getitem__)  # stable: first come, first listed
+        return [(label, caught[label], total[label]) for label in ordered]
+
     def write(self, path: Path) -> None:
         caught, total = self.score
+        by_origin = [
+            {"origin": label, "caught": c, "faults": n} for label, c, n in self.by_origin()
+        ]
         data = {
             "schema": SCHEMA,
             **asdict(self),
-            "score": {"caught": caught, "faults": total},
+            "score": {"caught": caught, "faults": total, "by_origin": by_origin},
         }
         path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
@@ -284,7 +305,15 @@ def _uncaught(fault: faults.Fault) -> FaultResult:
         bug_class=fault.bug_class,
         summary=fault.summary,
         caught=False,
+        origin=fault.origin.record(),
     )
+
+
+def _origin_rank(origin: Mapping[str, Any]) -> int:
+    """Where an origin comes in ``Mutation.by_origin``: in the order of ``faults.WRITTEN``
+    (with the property, blind, not stated), a result without one last."""
+    written = origin.get("written")
+    return faults.WRITTEN.index(written) if written in faults.WRITTEN else len(faults.WRITTEN)
 
 
 def _fault_width(ids: Iterable[str]) -> int:
@@ -336,7 +365,8 @@ def command(config: RunConfig, fault_ids: Sequence[str], *, jobs: int) -> int:
 def print_catalogue() -> None:
     """``mutate --list``: every fault of the catalogue (fault files loaded)."""
     for fault in faults.FAULTS.values():
-        print(f"{fault.id}  [{fault.area}]\n    {fault.summary}\n    stands for: {fault.bug_class}")
+        where = f"{fault.area}; {fault.origin.label}"
+        print(f"{fault.id}  [{where}]\n    {fault.summary}\n    stands for: {fault.bug_class}")
     print(f"{len(faults.FAULTS)} faults")
 
 
@@ -350,3 +380,5 @@ def print_table(mutation: Mutation) -> None:
         print(f"score: VOID — {mutation.void}")
     else:
         print(f"score: {caught}/{total} faults caught")
+        for label, caught_here, faults_here in mutation.by_origin():
+            print(f"  {label}: {caught_here}/{faults_here}")
