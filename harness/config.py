@@ -189,28 +189,25 @@ class RunConfig:
             outputs.check_file("junit", self.junit)
 
     def check_machine(self, *, world_sizes: bool = True) -> str:
-        """Refuse what this machine cannot run (imports torch): a plugin that does not
-        import, an absent device, a backend not registered for it and, with
-        ``world_sizes``, a World too large; the process-group backend the Worlds will use."""
+        """Refuse what this machine cannot run (imports torch): for the torchrun runner a
+        missing token; a plugin that does not import, an absent device, a backend not
+        registered for it and, with ``world_sizes``, a World too large (torchrun's ranks
+        started here included); the process-group backend the Worlds will use. Each check
+        is asked once, in that order."""
         if self.runner == "torchrun" and (self.nproc_per_node is None or self.token_file):
             from harness.runners.torchrun.channel import load_token
 
             load_token(self.token_file)  # the shared secret is there before anyone waits
+        started = None
         if self.runner == "torchrun" and self.nproc_per_node is not None and world_sizes:
-            check_capacity(
-                "processes",
-                self.device,
-                (self.nnodes * self.nproc_per_node,),
-                name="nproc_per_node",
-                backend=self.backend,
-                backend_plugins=self.backend_plugins,
-            )
+            started = self.nnodes * self.nproc_per_node
         return check_capacity(
             self.runner,
             self.device,
             self.world_sizes if world_sizes else (),
             backend=self.backend,
             backend_plugins=self.backend_plugins,
+            started=started,
         )
 
     @property

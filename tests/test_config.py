@@ -13,7 +13,8 @@ import pytest
 
 from harness import InvalidArgument, cli, session
 from harness.config import DEFAULTS, RunConfig, as_option, parse_world_sizes
-from harness.runners import DEFAULT_TIMEOUT, RUNNERS
+from harness.runners import DEFAULT_TIMEOUT, RUNNERS, capacity
+from harness.torchkit import devices
 
 
 def test_the_defaults_are_a_valid_run_of_every_suite():
@@ -116,3 +117,52 @@ def test_a_run_spreads_over_its_workers_unless_pytest_arguments_say_otherwise(
 def test_the_cli_spells_workers_as_jobs(tmp_path, capsys):
     assert cli.main(["run", "--jobs", "0", "--out", str(tmp_path)]) == cli.USAGE_ERROR
     assert "--jobs=0 must be a positive int" in capsys.readouterr().err
+
+
+# --- the machine: one pass down --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "world_sizes", "asked"),
+    [
+        ({}, True, {"present": True, "resolve": False}),
+        ({"runner": "processes"}, True, {"present": True, "resolve": True}),
+        ({"runner": "local"}, True, {"present": False, "resolve": False}),
+        ({"runner": "torchrun", "nproc_per_node": 2}, True, {"present": True, "resolve": True}),
+        ({"runner": "torchrun", "nproc_per_node": 2}, False, {"present": False, "resolve": True}),
+    ],
+)
+def test_the_machine_is_surveyed_once_for_the_whole_run(monkeypatch, fields, world_sizes, asked):
+    surveys = []
+    gather = devices.survey
+
+    def survey(device, plugins, **keywords):
+        surveys.append(keywords)
+        return gather(device, plugins, **keywords)
+
+    monkeypatch.setattr(devices, "survey", survey)
+    RunConfig(**fields).check_machine(world_sizes=world_sizes)
+    assert len(surveys) == 1 and {k: surveys[0][k] for k in asked} == asked
+
+
+def test_the_ranks_torchrun_starts_here_are_held_as_rank_processes(monkeypatch):
+    monkeypatch.setattr(capacity, "PROCESSES_PER_CORE", 1)
+    too_many = len(os.sched_getaffinity(0)) + 1
+    config = RunConfig(runner="torchrun", nproc_per_node=too_many)
+    with pytest.raises(InvalidArgument) as info:
+        config.check_machine()
+    assert str(info.value).startswith(f"nproc_per_node={too_many} must be at most ")
+    assert "on the processes runner" in str(info.value)
+    assert config.check_machine(world_sizes=False) == "gloo"  # the plugin's backend lookup
+
+
+def test_a_world_on_an_accelerator_is_held_to_the_devices_the_survey_counted(monkeypatch):
+    two = devices.Machine(device="cuda", count=2, backend="nccl")
+    monkeypatch.setattr(devices, "survey", lambda device, plugins, **asked: two)
+    assert capacity.check_capacity("processes", "cuda", (1, 2)) == "nccl"
+    with pytest.raises(InvalidArgument) as info:
+        capacity.check_capacity("processes", "cuda", (2, 3))
+    assert str(info.value) == (
+        "world_sizes=3 must be at most 2 on the processes runner (one cuda device per rank "
+        "process, and 2 are visible)"
+    )
