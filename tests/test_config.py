@@ -3,6 +3,7 @@ command line and the plugin spelling a refused value as their own option."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -12,7 +13,15 @@ from pathlib import Path
 import pytest
 
 from harness import InvalidArgument, cli, session
-from harness.config import DEFAULTS, RunConfig, as_option, parse_world_sizes
+from harness.config import (
+    DEFAULTS,
+    OPTIONS,
+    RunConfig,
+    as_option,
+    from_options,
+    parse_world_sizes,
+)
+from harness.plugin import options as plugin_options
 from harness.runners import DEFAULT_TIMEOUT, RUNNERS, capacity
 from harness.torchkit import devices
 
@@ -117,6 +126,68 @@ def test_a_run_spreads_over_its_workers_unless_pytest_arguments_say_otherwise(
 def test_the_cli_spells_workers_as_jobs(tmp_path, capsys):
     assert cli.main(["run", "--jobs", "0", "--out", str(tmp_path)]) == cli.USAGE_ERROR
     assert "--jobs=0 must be a positive int" in capsys.readouterr().err
+
+
+# --- the options both front ends take: one table -------------------------------------------
+
+
+def _cli_options(command: str) -> dict[str, argparse.Action]:
+    parser = cli._parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    actions = commands.choices[command]._actions
+    return {name: action for action in actions for name in action.option_strings}
+
+
+def _plugin_options(pytester) -> dict[str, argparse.Action]:
+    config = pytester.parseconfig("-p", "harness.plugin")
+    group = config._parser.getgroup("distconf")
+    return {name: option._action for option in group.options for name in option.names()}
+
+
+def test_an_option_both_front_ends_take_is_declared_once_from_the_table(pytester):
+    plugin = _plugin_options(pytester)
+    for command in ("run", "mutate"):
+        shared = set(_cli_options(command)) & set(plugin)
+        assert shared == {option.spelling for option in OPTIONS}, command
+
+
+@pytest.mark.parametrize("option", OPTIONS, ids=lambda option: option.spelling)
+def test_each_side_parses_a_table_option_to_the_fields_default(pytester, option):
+    command_line = _cli_options("run")[option.spelling]
+    plugin = _plugin_options(pytester)[option.spelling]
+    assert command_line.dest == option.field and plugin.dest == "distconf_" + option.field
+    default = getattr(DEFAULTS, option.field)
+    parsed = [] if option.repeated else None if option.derived else default
+    assert command_line.default == plugin.default == parsed
+    assert command_line.help == plugin.help
+    assert command_line.type is plugin.type and command_line.metavar == plugin.metavar
+    # argparse refuses another value on the command line; the plugin leaves it to RunConfig
+    assert command_line.choices == (option.choices or None) and plugin.choices is None
+    if default is not None and not option.repeated:  # the help says it, as the option spells it
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else str(default)
+        shown = f"{default:g}" if isinstance(default, float) else shown
+        assert f"default: {shown}" in command_line.help
+
+
+def test_both_front_ends_make_the_same_run_of_the_same_options(pytester):
+    given = [
+        "--runner", "torchrun", "--nproc-per-node", "2", "--nnodes", "2", "--device", "cpu",
+        "--backend-plugin", "a,b", "--backend-plugin", "c", "--rank-timeout", "5",
+        "--listen", "127.0.0.1:7", "--attach-timeout", "9",
+    ]  # fmt: skip
+    parsed = cli._parser().parse_args(["run", *given, "--jobs", "1"])
+    command_line = cli._config(parsed, workers=1)
+    plugin = from_options(
+        vars(pytester.parseconfig("-p", "harness.plugin", *given).option), "distconf_"
+    )
+    assert command_line == replace(plugin, out=command_line.out, workers=1)
+    assert command_line.world_sizes == (4,) and command_line.backend_plugins == ("a", "b", "c")
+
+
+def test_the_plugin_refuses_a_runner_in_distconf_words(pytester):
+    config = pytester.parseconfig("-p", "harness.plugin", "--runner=mpi")
+    with pytest.raises(pytest.UsageError, match="--runner='mpi' must be one of"):
+        plugin_options.run_config(config)
 
 
 # --- the machine: one pass down --------------------------------------------------------------
