@@ -23,12 +23,12 @@ from harness import catalogue
 from harness.config import (
     DEFAULTS,
     MUTATE_OUT,
+    RUN_OPTIONS,
     TORCHRUN_OPTIONS,
     RunConfig,
     as_option,
+    from_options,
     split_names,
-    torchrun_fields,
-    world_sizes_option,
 )
 from harness.errors import (
     CatalogueError,
@@ -73,22 +73,14 @@ def _config(args: argparse.Namespace, **more: Any) -> RunConfig:
     """The run options of ``run`` and ``mutate`` as a validated RunConfig; a refused value is
     named as its option (``--world-sizes``)."""
     try:
-        return RunConfig(
-            runner=args.runner,
-            world_sizes=world_sizes_option(
-                args.world_sizes, args.runner, args.nnodes or 1, args.nproc_per_node
-            ),
-            device=args.device,
-            backend=args.backend,
-            backend_plugins=split_names(args.backend_plugin),
-            rank_timeout=args.rank_timeout,
+        return from_options(
+            vars(args),
             test_timeout=args.test_timeout,
             profile=args.profile,
             seed=args.seed,
             suites=split_names(args.suite),
             out=Path(args.out),
-            **torchrun_fields(lambda name: getattr(args, name)),
-            **{k: v for k, v in more.items() if v is not None},
+            **more,
         )
     except InvalidArgument as exc:
         raise as_option(exc, {"workers": "--jobs"}) from None
@@ -184,38 +176,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_run_options(parser: argparse.ArgumentParser, *, out: Path) -> None:
-    """The options of a run (``RunConfig``), their defaults taken from it."""
+    """The options of a run (``RunConfig``): those the plugin takes too from
+    ``config.RUN_OPTIONS`` and ``TORCHRUN_OPTIONS``; every default taken from ``DEFAULTS``."""
     parser.add_argument(
         "--suite", action="append", default=[], help="suite name (repeatable or comma-separated)"
     )
-    parser.add_argument("--runner", choices=RUNNERS, default=DEFAULTS.runner)
-    parser.add_argument(
-        "--world-sizes",
-        default=None,
-        help=f"comma-separated (default: {DEFAULTS.world_sizes_text}; with --runner torchrun "
-        "--nproc-per-node N: the size of the World it starts)",
-    )
-    parser.add_argument(
-        "--device",
-        default=DEFAULTS.device,
-        help="cpu or an accelerator type torch knows: cuda, xpu, mps, hpu, a PrivateUse1 name "
-        f"(default: {DEFAULTS.device}); rank processes get one each, rank threads share one",
-    )
-    parser.add_argument(
-        "--backend",
-        default=None,
-        help="process runner: the process-group backend, a name registered with "
-        "torch.distributed (default: the device's, gloo on CPU); the thread runner always "
-        "uses torch's threaded group",
-    )
-    parser.add_argument(
-        "--backend-plugin",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="a module imported in the driver and in every rank before the process group is "
-        "made, to register a backend or device (repeatable or comma-separated)",
-    )
+    for option in RUN_OPTIONS:
+        parser.add_argument(option.spelling, **option.keywords())
     parser.add_argument(
         "--profile",
         choices=PROFILES,
@@ -224,18 +191,16 @@ def _add_run_options(parser: argparse.ArgumentParser, *, out: Path) -> None:
     )
     parser.add_argument("--seed", type=int, default=None, help="hypothesis seed")
     parser.add_argument(
-        "--rank-timeout",
+        "--test-timeout",
         type=float,
-        default=DEFAULTS.rank_timeout,
-        help="seconds per world.run call",
-    )
-    parser.add_argument(
-        "--test-timeout", type=float, default=DEFAULTS.test_timeout, help="seconds per test"
+        default=DEFAULTS.test_timeout,
+        help="seconds one test may take in the driver, a backstop for a hang outside the ranks "
+        f"(0: none; default: {DEFAULTS.test_timeout:g})",
     )
     parser.add_argument("--out", default=str(out), help=f"output directory (default: {out})")
     torchrun = parser.add_argument_group("torchrun runner (README: Several machines)")
-    for name, keywords in TORCHRUN_OPTIONS:
-        torchrun.add_argument("--" + name.replace("_", "-"), default=None, **keywords)
+    for option in TORCHRUN_OPTIONS:
+        torchrun.add_argument(option.spelling, **option.keywords())
 
 
 def _add_report(commands: Any) -> None:

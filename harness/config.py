@@ -13,7 +13,7 @@ import functools
 import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -134,7 +134,7 @@ class RunConfig:
 
     def _check_torchrun(self) -> None:
         if self.runner != "torchrun":
-            for name, default in _TORCHRUN_FIELDS.items():
+            for name, default in _torchrun_defaults().items():
                 value = getattr(self, name)
                 require(value == default, name, value, "left unset without --runner torchrun")
             return
@@ -154,8 +154,9 @@ class RunConfig:
                 "one size with --runner torchrun and no --nproc-per-node: how many agents "
                 "attach (torchrun's --nnodes x --nproc-per-node)",
             )
-            require(self.nnodes == 1, "nnodes", self.nnodes, _NNODES_STARTED)
-            require(self.max_restarts == 0, "max_restarts", self.max_restarts, _NNODES_STARTED)
+            for name in ("nnodes", "max_restarts"):
+                value = getattr(self, name)
+                require(value == _torchrun_defaults()[name], name, value, _NNODES_STARTED)
         require(
             self.token_file is None or isinstance(self.token_file, Path),
             "token_file",
@@ -189,28 +190,25 @@ class RunConfig:
             outputs.check_file("junit", self.junit)
 
     def check_machine(self, *, world_sizes: bool = True) -> str:
-        """Refuse what this machine cannot run (imports torch): a plugin that does not
-        import, an absent device, a backend not registered for it and, with
-        ``world_sizes``, a World too large; the process-group backend the Worlds will use."""
+        """Refuse what this machine cannot run (imports torch): for the torchrun runner a
+        missing token; a plugin that does not import, an absent device, a backend not
+        registered for it and, with ``world_sizes``, a World too large (torchrun's ranks
+        started here included); the process-group backend the Worlds will use. Each check
+        is asked once, in that order."""
         if self.runner == "torchrun" and (self.nproc_per_node is None or self.token_file):
             from harness.runners.torchrun.channel import load_token
 
             load_token(self.token_file)  # the shared secret is there before anyone waits
+        started = None
         if self.runner == "torchrun" and self.nproc_per_node is not None and world_sizes:
-            check_capacity(
-                "processes",
-                self.device,
-                (self.nnodes * self.nproc_per_node,),
-                name="nproc_per_node",
-                backend=self.backend,
-                backend_plugins=self.backend_plugins,
-            )
+            started = self.nnodes * self.nproc_per_node
         return check_capacity(
             self.runner,
             self.device,
             self.world_sizes if world_sizes else (),
             backend=self.backend,
             backend_plugins=self.backend_plugins,
+            started=started,
         )
 
     @property
@@ -218,7 +216,7 @@ class RunConfig:
         """The torchrun runner's options as the command line spells them (those set)."""
         return {
             "--" + name.replace("_", "-"): str(getattr(self, name))
-            for name, default in _TORCHRUN_FIELDS.items()
+            for name, default in _torchrun_defaults().items()
             if getattr(self, name) != default
         }
 
@@ -232,15 +230,13 @@ _PATH = "a pathlib.Path or None"
 _ONE_DRIVER = "1 with --runner torchrun: the agents attach to one driver"
 _NNODES_STARTED = "for the torchrun that distconf starts here (--nproc-per-node); agents "
 _NNODES_STARTED += "started elsewhere bring their own"
-_TORCHRUN_FIELDS = {
-    "nproc_per_node": None,
-    "nnodes": 1,
-    "max_restarts": 0,
-    "listen": DEFAULT_LISTEN,
-    "attach_timeout": DEFAULT_ATTACH_TIMEOUT,
-    "token_file": None,
-}
-"""The torchrun runner's options and their defaults: only that runner takes them."""
+
+
+@functools.cache
+def _torchrun_defaults() -> dict[str, Any]:
+    """The torchrun runner's fields (``TORCHRUN_OPTIONS``) and their defaults."""
+    names = {option.field for option in TORCHRUN_OPTIONS}
+    return {field.name: field.default for field in fields(RunConfig) if field.name in names}
 
 
 def as_option(error: InvalidArgument, spelled: Mapping[str, str] | None = None) -> InvalidArgument:
@@ -317,48 +313,157 @@ def world_sizes_option(
     if text is not None:
         return parse_world_sizes(text)
     if runner == "torchrun" and isinstance(nproc_per_node, int) and isinstance(nnodes, int):
-        return (nnodes * nproc_per_node,)
+        # --nnodes 0 is refused with the World torchrun starts, not as a world size
+        return ((nnodes or RunConfig.nnodes) * nproc_per_node,)
     return RunConfig.world_sizes
 
 
-TORCHRUN_OPTIONS: tuple[tuple[str, dict[str, Any]], ...] = (
-    (
-        "nproc_per_node",
-        {"type": int, "help": "torchrun runner: start torchrun here, N ranks per node"},
+@dataclass(frozen=True, kw_only=True)
+class RunOption:
+    """An option of a run that the command line (``run``, ``mutate``) and the pytest plugin
+    both take, declared once: its ``RunConfig`` field, how it parses, its one help text.
+    Absent, it parses to the field's default (``DEFAULTS``)."""
+
+    field: str
+    help: str
+    """What it does; ``{default}`` stands for the field's default and ``{choices}`` for the
+    values it takes, as the option spells them."""
+    type: Callable[[str], Any] | None = None
+    choices: tuple[str, ...] = ()
+    metavar: str | None = None
+    repeated: bool = False
+    """Repeatable and comma-separated (``--backend-plugin a,b --backend-plugin c``): the field
+    is the tuple of every name given, and the option is spelled in the singular."""
+    derived: bool = False
+    """Absent, the field is derived from the other options, not taken from ``DEFAULTS``:
+    the option parses to None (``world_sizes_option``)."""
+
+    @property
+    def spelling(self) -> str:
+        """``--backend-plugin`` for ``backend_plugins``."""
+        name = self.field.removesuffix("s") if self.repeated else self.field
+        return "--" + name.replace("_", "-")
+
+    def keywords(self, *, prefix: str = "", choices: bool = True) -> dict[str, Any]:
+        """``add_argument``'s keywords (pytest's ``addoption`` takes the same); the parsed
+        value goes to ``prefix`` + the field (``dest``); ``choices``: whether argparse refuses
+        another value itself."""
+        default = getattr(DEFAULTS, self.field)
+        shown = {"default": _shown(default), "choices": ", ".join(self.choices)}
+        keywords: dict[str, Any] = {
+            "dest": prefix + self.field,
+            "help": self.help.format(**shown),
+        }
+        if self.repeated:
+            keywords |= {"action": "append", "default": []}
+        else:
+            keywords["default"] = None if self.derived else default
+        if self.type is not None:
+            keywords["type"] = self.type
+        if choices and self.choices:
+            keywords["choices"] = self.choices
+        if self.metavar is not None:
+            keywords["metavar"] = self.metavar
+        return keywords
+
+
+def _shown(default: object) -> str:
+    """A default as an option spells it: ``(1, 2)`` -> ``1,2``, ``60.0`` -> ``60``."""
+    if isinstance(default, tuple):
+        return ",".join(map(str, default))
+    if isinstance(default, float):
+        return f"{default:g}"
+    return str(default)
+
+
+RUN_OPTIONS = (
+    RunOption(
+        field="runner", choices=RUNNERS, help="how ranks are made: {choices} (default: {default})"
     ),
-    ("nnodes", {"type": int, "help": 'torchrun runner, started here: "nodes" (default: 1)'}),
-    (
-        "max_restarts",
-        {"type": int, "help": "torchrun runner, started here: torchrun's --max-restarts (0)"},
+    RunOption(
+        field="world_sizes",
+        derived=True,
+        help="comma-separated world sizes to run every suite test at (default: {default}; with "
+        "--runner torchrun --nproc-per-node N: the size of the World it starts)",
     ),
-    (
-        "listen",
-        {"help": f"torchrun runner: HOST:PORT the driver waits on (default: {DEFAULT_LISTEN})"},
+    RunOption(
+        field="device",
+        help="cpu or an accelerator type torch knows: cuda, xpu, mps, hpu, a PrivateUse1 name "
+        "(default: {default}); rank processes get one each, rank threads share one",
     ),
-    (
-        "attach_timeout",
-        {
-            "type": float,
-            "help": f"torchrun runner: seconds to wait for every agent "
-            f"(default: {DEFAULT_ATTACH_TIMEOUT:g})",
-        },
+    RunOption(
+        field="backend",
+        help="process runner: the process-group backend, a name registered with "
+        "torch.distributed (default: the device's, gloo on CPU); the thread runner always "
+        "uses torch's threaded group",
     ),
-    (
-        "token_file",
-        {
-            "type": Path,
-            "help": f"torchrun runner: the shared secret's file (default: ${TOKEN_VAR})",
-        },
+    RunOption(
+        field="backend_plugins",
+        repeated=True,
+        metavar="MODULE",
+        help="a module imported in the driver and in every rank before the process group is "
+        "made, to register a backend or device (repeatable or comma-separated)",
+    ),
+    RunOption(
+        field="rank_timeout",
+        type=float,
+        help="seconds one world.run call may take on every rank (default: {default})",
     ),
 )
-"""The torchrun runner's options (a ``RunConfig`` field and ``add_argument``'s keywords; the
-default is the field's): the CLI and the pytest plugin declare them from here."""
+"""The options of a run the command line and the pytest plugin both take (the torchrun
+runner's apart): each declares them from here, and ``from_options`` makes the run of them."""
+TORCHRUN_OPTIONS = (
+    RunOption(
+        field="nproc_per_node",
+        type=int,
+        help="torchrun runner: start torchrun here, N ranks per node (default: wait for agents "
+        "started elsewhere)",
+    ),
+    RunOption(
+        field="nnodes",
+        type=int,
+        help='torchrun runner, started here: how many "nodes", all on this machine '
+        "(default: {default})",
+    ),
+    RunOption(
+        field="max_restarts",
+        type=int,
+        help="torchrun runner, started here: torchrun's --max-restarts (default: {default})",
+    ),
+    RunOption(
+        field="listen",
+        help="torchrun runner: HOST:PORT the driver waits on for agents (port 0: any; "
+        "default: {default})",
+    ),
+    RunOption(
+        field="attach_timeout",
+        type=float,
+        help="torchrun runner: seconds to wait for every agent to attach (default: {default})",
+    ),
+    RunOption(
+        field="token_file",
+        type=Path,
+        help=f"torchrun runner: the shared secret's file (default: ${TOKEN_VAR}; one is made "
+        "when torchrun is started here)",
+    ),
+)
+"""The torchrun runner's options: only that runner takes them."""
+OPTIONS = RUN_OPTIONS + TORCHRUN_OPTIONS
 
 
-def torchrun_fields(values: Callable[[str], Any]) -> dict[str, Any]:
-    """The torchrun fields given (``values(field)``: the parsed option, None when absent)."""
-    given = {name: values(name) for name, _ in TORCHRUN_OPTIONS}
-    return {name: value for name, value in given.items() if value is not None}
+def from_options(parsed: Mapping[str, Any], prefix: str = "", **more: Any) -> RunConfig:
+    """The run of the parsed options, the one way the command line and the plugin make it:
+    ``parsed`` holds what each option of ``OPTIONS`` parsed to, under ``prefix`` + its field
+    (``keywords``' ``dest``); ``more`` are the fields of the options one of them alone
+    declares (None: the field's default)."""
+    given = {option.field: parsed[prefix + option.field] for option in OPTIONS}
+    for option in OPTIONS:
+        if option.repeated:
+            given[option.field] = split_names(given[option.field])
+    given["world_sizes"] = world_sizes_option(
+        given["world_sizes"], given["runner"], given["nnodes"], given["nproc_per_node"]
+    )
+    return RunConfig(**given, **{name: value for name, value in more.items() if value is not None})
 
 
 def split_names(values: list[str]) -> tuple[str, ...]:

@@ -3,6 +3,7 @@ command line and the plugin spelling a refused value as their own option."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -12,8 +13,17 @@ from pathlib import Path
 import pytest
 
 from harness import InvalidArgument, cli, session
-from harness.config import DEFAULTS, RunConfig, as_option, parse_world_sizes
-from harness.runners import DEFAULT_TIMEOUT, RUNNERS
+from harness.config import (
+    DEFAULTS,
+    OPTIONS,
+    RunConfig,
+    as_option,
+    from_options,
+    parse_world_sizes,
+)
+from harness.plugin import options as plugin_options
+from harness.runners import DEFAULT_TIMEOUT, RUNNERS, capacity
+from harness.torchkit import devices
 
 
 def test_the_defaults_are_a_valid_run_of_every_suite():
@@ -116,3 +126,114 @@ def test_a_run_spreads_over_its_workers_unless_pytest_arguments_say_otherwise(
 def test_the_cli_spells_workers_as_jobs(tmp_path, capsys):
     assert cli.main(["run", "--jobs", "0", "--out", str(tmp_path)]) == cli.USAGE_ERROR
     assert "--jobs=0 must be a positive int" in capsys.readouterr().err
+
+
+# --- the options both front ends take: one table -------------------------------------------
+
+
+def _cli_options(command: str) -> dict[str, argparse.Action]:
+    parser = cli._parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    actions = commands.choices[command]._actions
+    return {name: action for action in actions for name in action.option_strings}
+
+
+def _plugin_options(pytester) -> dict[str, argparse.Action]:
+    config = pytester.parseconfig("-p", "harness.plugin")
+    group = config._parser.getgroup("distconf")
+    return {name: option._action for option in group.options for name in option.names()}
+
+
+def test_an_option_both_front_ends_take_is_declared_once_from_the_table(pytester):
+    plugin = _plugin_options(pytester)
+    for command in ("run", "mutate"):
+        shared = set(_cli_options(command)) & set(plugin)
+        assert shared == {option.spelling for option in OPTIONS}, command
+
+
+@pytest.mark.parametrize("option", OPTIONS, ids=lambda option: option.spelling)
+def test_each_side_parses_a_table_option_to_the_fields_default(pytester, option):
+    command_line = _cli_options("run")[option.spelling]
+    plugin = _plugin_options(pytester)[option.spelling]
+    assert command_line.dest == option.field and plugin.dest == "distconf_" + option.field
+    default = getattr(DEFAULTS, option.field)
+    parsed = [] if option.repeated else None if option.derived else default
+    assert command_line.default == plugin.default == parsed
+    assert command_line.help == plugin.help
+    assert command_line.type is plugin.type and command_line.metavar == plugin.metavar
+    # argparse refuses another value on the command line; the plugin leaves it to RunConfig
+    assert command_line.choices == (option.choices or None) and plugin.choices is None
+    if default is not None and not option.repeated:  # the help says it, as the option spells it
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else str(default)
+        shown = f"{default:g}" if isinstance(default, float) else shown
+        assert f"default: {shown}" in command_line.help
+
+
+def test_both_front_ends_make_the_same_run_of_the_same_options(pytester):
+    given = [
+        "--runner", "torchrun", "--nproc-per-node", "2", "--nnodes", "2", "--device", "cpu",
+        "--backend-plugin", "a,b", "--backend-plugin", "c", "--rank-timeout", "5",
+        "--listen", "127.0.0.1:7", "--attach-timeout", "9",
+    ]  # fmt: skip
+    parsed = cli._parser().parse_args(["run", *given, "--jobs", "1"])
+    command_line = cli._config(parsed, workers=1)
+    plugin = from_options(
+        vars(pytester.parseconfig("-p", "harness.plugin", *given).option), "distconf_"
+    )
+    assert command_line == replace(plugin, out=command_line.out, workers=1)
+    assert command_line.world_sizes == (4,) and command_line.backend_plugins == ("a", "b", "c")
+
+
+def test_the_plugin_refuses_a_runner_in_distconf_words(pytester):
+    config = pytester.parseconfig("-p", "harness.plugin", "--runner=mpi")
+    with pytest.raises(pytest.UsageError, match="--runner='mpi' must be one of"):
+        plugin_options.run_config(config)
+
+
+# --- the machine: one pass down --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "world_sizes", "asked"),
+    [
+        ({}, True, {"present": True, "resolve": False}),
+        ({"runner": "processes"}, True, {"present": True, "resolve": True}),
+        ({"runner": "local"}, True, {"present": False, "resolve": False}),
+        ({"runner": "torchrun", "nproc_per_node": 2}, True, {"present": True, "resolve": True}),
+        ({"runner": "torchrun", "nproc_per_node": 2}, False, {"present": False, "resolve": True}),
+    ],
+)
+def test_the_machine_is_surveyed_once_for_the_whole_run(monkeypatch, fields, world_sizes, asked):
+    surveys = []
+    gather = devices.survey
+
+    def survey(device, plugins, **keywords):
+        surveys.append(keywords)
+        return gather(device, plugins, **keywords)
+
+    monkeypatch.setattr(devices, "survey", survey)
+    RunConfig(**fields).check_machine(world_sizes=world_sizes)
+    assert len(surveys) == 1 and {k: surveys[0][k] for k in asked} == asked
+
+
+def test_the_ranks_torchrun_starts_here_are_held_as_rank_processes(monkeypatch):
+    monkeypatch.setattr(capacity, "PROCESSES_PER_CORE", 1)
+    too_many = len(os.sched_getaffinity(0)) + 1
+    config = RunConfig(runner="torchrun", nproc_per_node=too_many)
+    with pytest.raises(InvalidArgument) as info:
+        config.check_machine()
+    assert str(info.value).startswith(f"nproc_per_node={too_many} must be at most ")
+    assert "on the processes runner" in str(info.value)
+    assert config.check_machine(world_sizes=False) == "gloo"  # the plugin's backend lookup
+
+
+def test_a_world_on_an_accelerator_is_held_to_the_devices_the_survey_counted(monkeypatch):
+    two = devices.Machine(device="cuda", count=2, backend="nccl")
+    monkeypatch.setattr(devices, "survey", lambda device, plugins, **asked: two)
+    assert capacity.check_capacity("processes", "cuda", (1, 2)) == "nccl"
+    with pytest.raises(InvalidArgument) as info:
+        capacity.check_capacity("processes", "cuda", (2, 3))
+    assert str(info.value) == (
+        "world_sizes=3 must be at most 2 on the processes runner (one cuda device per rank "
+        "process, and 2 are visible)"
+    )

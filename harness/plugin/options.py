@@ -1,7 +1,9 @@
 """The plugin's command-line options and ini keys, and the run options they make.
 
-Defaults come from ``harness.config.DEFAULTS``; ``run_config`` validates them in
-``RunConfig`` and turns a bad value into a usage error naming the option.
+The options ``harness run`` takes too are declared from ``harness.config.RUN_OPTIONS`` and
+``TORCHRUN_OPTIONS`` (their defaults ``DEFAULTS``'); ``run_config`` makes the ``RunConfig``
+of them as the command line does (``config.from_options``) and turns a bad value into a
+usage error naming the option.
 """
 
 from __future__ import annotations
@@ -16,62 +18,22 @@ import pytest
 
 from harness import catalogue
 from harness.config import (
-    DEFAULTS,
+    RUN_OPTIONS,
     TORCHRUN_OPTIONS,
     RunConfig,
+    RunOption,
     as_option,
+    from_options,
     split_names,
-    torchrun_fields,
-    world_sizes_option,
 )
 from harness.errors import InvalidArgument, check_one_of, require
 from harness.profiles import PROFILES, needs_seed
-from harness.runners import RUNNERS
 
 
 def add(parser: pytest.Parser) -> None:
     group = parser.getgroup("distconf", "distconf conformance harness")
-    group.addoption(
-        "--runner",
-        dest="distconf_runner",
-        default=DEFAULTS.runner,
-        help=f"rank runner, one of {RUNNERS}",
-    )
-    group.addoption(
-        "--world-sizes",
-        dest="distconf_world_sizes",
-        default=None,
-        help="comma-separated world sizes to run every suite test at "
-        f"(default: {DEFAULTS.world_sizes_text}; with --runner torchrun --nproc-per-node N: "
-        "the size of the World it starts)",
-    )
-    group.addoption(
-        "--device",
-        dest="distconf_device",
-        default=DEFAULTS.device,
-        help="cpu or an accelerator type torch knows (cuda, xpu, mps, hpu, a PrivateUse1 name)",
-    )
-    group.addoption(
-        "--backend",
-        dest="distconf_backend",
-        default=None,
-        help="process runner: the process-group backend (default: the device's, gloo on CPU)",
-    )
-    group.addoption(
-        "--backend-plugin",
-        dest="distconf_backend_plugins",
-        action="append",
-        default=[],
-        help="a module imported in the driver and in every rank before the process group is "
-        "made (repeatable or comma-separated)",
-    )
-    group.addoption(
-        "--rank-timeout",
-        dest="distconf_rank_timeout",
-        type=float,
-        default=DEFAULTS.rank_timeout,
-        help=f"deadline in seconds of one world.run call (default: {DEFAULTS.rank_timeout:g})",
-    )
+    for option in RUN_OPTIONS:
+        _add_shared(group, option)
     group.addoption(
         "--strict-collectives",
         dest="distconf_strict_collectives",
@@ -103,14 +65,24 @@ def add(parser: pytest.Parser) -> None:
     )
     _add_gpu_options(group)
     _add_mutation_options(group)
-    for name, keywords in TORCHRUN_OPTIONS:
-        option = "--" + name.replace("_", "-")
-        group.addoption(option, dest=f"distconf_{name}", default=None, **keywords)
+    for option in TORCHRUN_OPTIONS:
+        _add_shared(group, option)
     parser.addini("distconf_catalogue", "path of the spec catalogue", default=None)
     parser.addini("distconf_suites", "directory holding the conformance suites", default=None)
     parser.addini(
         "distconf_expectations", "directory of known-deviation files (*.toml)", default=None
     )
+
+
+DEST = "distconf_"
+"""pytest's options share one namespace: the plugin's keep their values under this prefix."""
+
+
+def _add_shared(group: pytest.OptionGroup, option: RunOption) -> None:
+    """An option the command line takes too (``config.OPTIONS``). Its choices are left to
+    ``RunConfig``: a value outside them is refused as every other bad value here, a usage
+    error in distconf's words (``--runner='mpi' must be one of ...``)."""
+    group.addoption(option.spelling, **option.keywords(prefix=DEST, choices=False))
 
 
 def _add_gpu_options(group: pytest.OptionGroup) -> None:
@@ -180,18 +152,9 @@ def run_config(config: pytest.Config) -> RunConfig:
 
     env = os.environ
     try:
-        run = RunConfig(
-            runner=config.getoption("distconf_runner"),
-            world_sizes=world_sizes_option(
-                config.getoption("distconf_world_sizes"),
-                config.getoption("distconf_runner"),
-                config.getoption("distconf_nnodes") or 1,
-                config.getoption("distconf_nproc_per_node"),
-            ),
-            device=config.getoption("distconf_device"),
-            backend=config.getoption("distconf_backend"),
-            backend_plugins=split_names(config.getoption("distconf_backend_plugins")),
-            rank_timeout=config.getoption("distconf_rank_timeout"),
+        run = from_options(
+            vars(config.option),
+            DEST,
             strict_collectives=config.getoption("distconf_strict_collectives"),
             faults=_names(config.getoption("distconf_faults") or env.get(faults.ENV_VAR)),
             fault_files=_names(
@@ -199,7 +162,6 @@ def run_config(config: pytest.Config) -> RunConfig:
             ),
             cheap_first=tuple(map(Path, _names(config.getoption("distconf_cheap_first")))),
             exitfirst=bool(config.getoption("exitfirst", False)),
-            **torchrun_fields(lambda name: config.getoption(f"distconf_{name}")),
         )
         # The machine is checked once, where the run starts: an xdist worker leased GPUs
         # (``-n gpu``) sees only its own.

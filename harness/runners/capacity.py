@@ -20,8 +20,12 @@ from __future__ import annotations
 import os
 import resource
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from harness.errors import invalid
+
+if TYPE_CHECKING:
+    from harness.torchkit.devices import Machine
 
 THREAD_WORLD_LIMIT = 1024
 PROCESSES_PER_CORE = 8
@@ -49,10 +53,11 @@ over a World's worth of ranks."""
 LOCAL_DEVICES = ("cpu",)
 
 
-def resolve_backend(runner: str, device: str, backend: str | None) -> str:
+def resolve_backend(runner: str, device: str, backend: str | None, machine: Machine) -> str:
     """The process-group backend a World of ``runner`` on ``device`` uses: the thread
-    runner's is always torch's threaded group; the process runner's is ``backend``, or the
-    one torch pairs with the device (gloo on CPU)."""
+    runner's is always torch's threaded group, the local runner's torch's fake group; the
+    process and torchrun runners' the one ``machine`` resolved (``backend``, or the one torch
+    pairs with the device: gloo on CPU)."""
     if runner == "threads":
         if backend not in (None, THREADED_BACKEND):
             raise invalid("backend", backend, _THREADS_BACKEND)
@@ -63,12 +68,8 @@ def resolve_backend(runner: str, device: str, backend: str | None) -> str:
         if backend not in (None, LOCAL_BACKEND):
             raise invalid("backend", backend, _LOCAL_BACKEND_WHY)
         return LOCAL_BACKEND
-    from harness.torchkit import devices
-
-    if backend is None:
-        return devices.default_backend(device)
-    devices.check_backend(backend, device)
-    return backend
+    assert machine.backend is not None, f"the {runner} runner's backend was not resolved"
+    return machine.backend
 
 
 _THREADS_BACKEND = (
@@ -85,8 +86,8 @@ _LOCAL_DEVICE = (
 )
 
 
-def largest_world(runner: str, device: str) -> tuple[int, str]:
-    """The largest world size ``runner`` can hold on ``device`` here, and why."""
+def largest_world(runner: str, machine: Machine) -> tuple[int, str]:
+    """The largest world size ``runner`` can hold on ``machine`` here, and why."""
     if runner == "threads":
         limit, why = THREAD_WORLD_LIMIT, "the thread runner's limit (THREAD_WORLD_LIMIT)"
         processes = resource.getrlimit(resource.RLIMIT_NPROC)[0]
@@ -97,10 +98,8 @@ def largest_world(runner: str, device: str) -> tuple[int, str]:
         return 2**31, "ranks on the nodes torchrun starts (the driver cannot count them)"
     if runner == "local":
         return LOCAL_WORLD_LIMIT, "one thread runs every op once per rank (LOCAL_WORLD_LIMIT)"
-    if device != "cpu":
-        from harness.torchkit import devices
-
-        count = devices.device_count(device)
+    if machine.device != "cpu":
+        count, device = machine.count, machine.device
         return count, f"one {device} device per rank process, and {count} are visible"
     cores = len(os.sched_getaffinity(0))
     by_cores = PROCESSES_PER_CORE * cores
@@ -118,27 +117,48 @@ def check_capacity(
     *,
     backend: str | None = None,
     backend_plugins: tuple[str, ...] = (),
+    started: int | None = None,
 ) -> str:
     """Refuse, before anything starts, a plugin that does not import, a device that is
     absent, a backend that is not registered for it, or a World too large (``name``: the
-    argument the sizes came in); the backend the Worlds will use."""
+    argument the sizes came in); the backend the Worlds will use. ``started``: the rank
+    processes torchrun starts on this machine for the torchrun runner (``--nnodes`` x
+    ``--nproc-per-node``), held here as the process runner's would be.
+
+    One pass down: this machine's facts are gathered once (``devices.survey``), then every
+    size is decided from them."""
     from harness.torchkit import devices
 
-    devices.check_plugins(backend_plugins)
-    if runner == "local":  # before the device check: one this runner refuses may be absent
-        resolve_backend(runner, device, backend)
-    if runner != "torchrun":  # torchrun's ranks use the devices of its nodes, not this one's
-        devices.check_device(device)
-    chosen = resolve_backend(runner, device, backend)
-    sizes = tuple(world_sizes)
+    machine = devices.survey(
+        device,
+        backend_plugins,
+        # torchrun's agents use the devices of their nodes, not this one's, unless it starts
+        # them here; the local runner refuses any device but cpu itself (resolve_backend)
+        present=runner in _RANKS_HERE or started is not None,
+        resolve=runner in _BACKEND_RUNNERS,
+        backend=backend,
+    )
+    chosen = resolve_backend(runner, device, backend, machine)
+    if started is not None:
+        _check_sizes("processes", machine, (started,), "nproc_per_node")
+    _check_sizes(runner, machine, tuple(world_sizes), name)
+    return chosen
+
+
+_RANKS_HERE = ("threads", "processes")
+"""The runners whose ranks run on this machine's devices."""
+_BACKEND_RUNNERS = ("processes", "torchrun")
+"""The runners whose ranks use a backend torch has registered (``--backend``)."""
+
+
+def _check_sizes(runner: str, machine: Machine, sizes: tuple[int, ...], name: str) -> None:
     if not sizes:
-        return chosen
-    limit, why = largest_world(runner, device)
+        return
+    limit, why = largest_world(runner, machine)
     too_large = [size for size in sizes if size > limit]
     if too_large:
         shown = too_large[0] if len(too_large) == 1 else tuple(too_large)
         raise invalid(name, shown, f"at most {limit} on the {runner} runner ({why})")
-    return chosen
 
 
 def available_memory() -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import traceback
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,12 +28,40 @@ _NOT_DEVICES = frozenset({"meta", "mkldnn", "opengl", "opencl", "ideep", "vulkan
 
 def import_plugins(modules: tuple[str, ...]) -> None:
     """Import each plugin module (a second import is a no-op): in a rank, a failure raises
-    as it is, with its traceback; ``check_plugins`` says it in the driver."""
+    as it is, with its traceback; ``survey`` says it in the driver."""
     for module in modules:
         importlib.import_module(module)
 
 
-def check_plugins(modules: tuple[str, ...]) -> None:
+@dataclass(frozen=True)
+class Machine:
+    """What this machine offers a run on one device type, its plugins imported first
+    (``survey``)."""
+
+    device: str
+    count: int
+    """Devices of the type this process sees (1 for ``cpu``); 0 where ``survey`` was not
+    asked whether the device is here."""
+    backend: str | None
+    """The process-group backend for the device: the one asked for (registered, serving the
+    device) or the one torch pairs with it; None where ``survey`` was not asked for one."""
+
+
+def survey(
+    device: str, plugins: tuple[str, ...] = (), *, present: bool, resolve: bool, backend: str | None
+) -> Machine:
+    """This machine's facts for a run, gathered once and in this order (a plugin may add the
+    device type or the backend): the plugins imported in the driver; with ``present``, the
+    device here and how many of it; with ``resolve``, the process-group backend (``backend``,
+    or the device's default). A plugin that does not import, a device this machine lacks and
+    a backend that does not serve the device are refused, naming the option."""
+    _import_in_driver(plugins)
+    count = _count_present(device) if present else 0
+    chosen = _resolve_backend(backend, device) if resolve else None
+    return Machine(device=device, count=count, backend=chosen)
+
+
+def _import_in_driver(modules: tuple[str, ...]) -> None:
     """Import the plugins in the driver; one that fails is a usage error with its traceback."""
     for module in modules:
         try:
@@ -43,10 +72,11 @@ def check_plugins(modules: tuple[str, ...]) -> None:
             raise invalid("backend_plugin", module, expected) from None
 
 
-def check_device(device: str) -> None:
-    """Refuse a device type torch does not know, or one this machine does not have."""
+def _count_present(device: str) -> int:
+    """How many devices of type ``device`` this process sees, refusing a device type torch
+    does not know, or one this machine does not have."""
     if device == CPU:
-        return
+        return 1
     known = _known_accelerators()
     try:
         parsed = torch.device(device)
@@ -56,8 +86,10 @@ def check_device(device: str) -> None:
         raise invalid("device", device, "a device type without an index: each rank picks its own")
     if parsed.type in _NOT_DEVICES or parsed.type == CPU:
         raise invalid("device", device, _expected_type(known))
-    if device_count(device) == 0:
+    count = device_count(device)
+    if count == 0:
         raise invalid("device", device, f"a device this machine has: {_absence(device)}")
+    return count
 
 
 def device_count(device: str) -> int:
@@ -87,14 +119,11 @@ def rank_device(device: str, index: int) -> torch.device:
     return chosen
 
 
-def default_backend(device: str) -> str:
-    """The process-group backend torch pairs with ``device`` (gloo on CPU)."""
-    return str(dist.get_default_backend_for_device(device))
-
-
-def check_backend(backend: str, device: str) -> None:
-    """Refuse a backend ``torch.distributed`` has not registered, or one that does not
-    serve ``device``."""
+def _resolve_backend(backend: str | None, device: str) -> str:
+    """``backend``, refused where ``torch.distributed`` has not registered it or it does not
+    serve ``device``; None: the backend torch pairs with ``device`` (gloo on CPU)."""
+    if backend is None:
+        return str(dist.get_default_backend_for_device(device))
     registered = [name for name in dist.Backend.backend_list if name != "undefined"]
     if backend.lower() not in registered:
         raise invalid(
@@ -106,6 +135,7 @@ def check_backend(backend: str, device: str) -> None:
     serves = dist.Backend.backend_capability.get(backend.lower(), [])
     if device not in serves:
         raise invalid("backend", backend, f"a backend for {device}: it serves {serves}")
+    return backend
 
 
 def accelerator_type() -> str:
