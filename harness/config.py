@@ -146,7 +146,10 @@ class RunConfig:
             "empty with --runner torchrun: faults are injected on the threads and processes "
             "runners only",
         )
-        if self.nproc_per_node is None:
+        if self.nproc_per_node is not None:
+            check_int("nproc_per_node", self.nproc_per_node)
+            check_int("nnodes", self.nnodes)
+        else:
             require(
                 len(self.world_sizes) == 1,
                 "world_sizes",
@@ -313,8 +316,9 @@ def world_sizes_option(
     if text is not None:
         return parse_world_sizes(text)
     if runner == "torchrun" and isinstance(nproc_per_node, int) and isinstance(nnodes, int):
-        # --nnodes 0 is refused with the World torchrun starts, not as a world size
-        return ((nnodes or RunConfig.nnodes) * nproc_per_node,)
+        # --nnodes 0 or less is refused as itself with the World torchrun starts, not as a
+        # world size it would make
+        return (max(nnodes, RunConfig.nnodes) * max(nproc_per_node, 1),)
     return RunConfig.world_sizes
 
 

@@ -237,3 +237,17 @@ def test_a_world_on_an_accelerator_is_held_to_the_devices_the_survey_counted(mon
         "world_sizes=3 must be at most 2 on the processes runner (one cuda device per rank "
         "process, and 2 are visible)"
     )
+
+
+@pytest.mark.parametrize(
+    ("arguments", "refusal"),
+    [
+        (["--nnodes", "0", "--nproc-per-node", "2"], "error: --nnodes=0 must be a positive int"),
+        (["--nnodes", "-1", "--nproc-per-node", "2"], "error: --nnodes=-1 must be a positive int"),
+        (["--nproc-per-node", "0"], "error: --nproc-per-node=0 must be a positive int"),
+    ],
+)
+def test_a_torchrun_world_of_no_ranks_is_refused_as_the_option_given(arguments, refusal, capsys):
+    """Not as the world size it would make (``--world-size=0``, an option that does not exist)."""
+    assert cli.main(["run", "--runner", "torchrun", *arguments]) == cli.USAGE_ERROR
+    assert capsys.readouterr().err.strip().splitlines()[-1] == refusal
