@@ -215,13 +215,19 @@ class RunConfig:
         )
 
     @property
-    def torchrun_options(self) -> dict[str, str]:
-        """The torchrun runner's options as the command line spells them (those set)."""
-        return {
-            "--" + name.replace("_", "-"): str(getattr(self, name))
-            for name, default in _torchrun_defaults().items()
-            if getattr(self, name) != default
-        }
+    def spelled(self) -> list[str]:
+        """The options of ``OPTIONS`` as the command line and the plugin spell them
+        (``--runner=threads``): every one given a value, the torchrun runner's only where they
+        are not their defaults (the other runners refuse them set)."""
+        torchrun_defaults = _torchrun_defaults()
+        spelled = []
+        for option in OPTIONS:
+            value = getattr(self, option.field)
+            if value is None or value == () or value == torchrun_defaults.get(option.field, ()):
+                continue
+            shown = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+            spelled.append(f"{option.spelling}={shown}")
+        return spelled
 
     @property
     def world_sizes_text(self) -> str:

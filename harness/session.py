@@ -46,10 +46,7 @@ def pytest_arguments(
         *selected,
         "-p",
         "harness.plugin",
-        f"--runner={config.runner}",
-        f"--world-sizes={config.world_sizes_text}",
-        f"--device={config.device}",
-        f"--rank-timeout={config.rank_timeout}",
+        *config.spelled,
         # A backstop for a driver-side hang; ranks are bounded by --rank-timeout per call.
         f"--timeout={config.test_timeout}",
         f"--hypothesis-profile={config.profile}",
@@ -72,10 +69,6 @@ def pytest_arguments(
         arguments += [f"--junitxml={config.junit}", "-o", "junit_family=xunit2"]
     if config.strict_collectives:
         arguments.append("--strict-collectives")
-    if config.backend is not None:
-        arguments.append(f"--backend={config.backend}")
-    if config.backend_plugins:
-        arguments.append(f"--backend-plugin={','.join(config.backend_plugins)}")
     if config.faults:
         arguments.append(f"--distconf-faults={','.join(config.faults)}")
     if config.fault_files:
@@ -86,7 +79,6 @@ def pytest_arguments(
         arguments.append("--exitfirst")
     if run_id is not None:
         arguments += [f"--distconf-run-id={run_id}", "--distconf-keep-earlier"]
-    arguments += [f"{option}={value}" for option, value in config.torchrun_options.items()]
     if config.workers > 1 and not _names_workers(extra):
         arguments += ["-n", str(config.workers)]
     # Only xdist's controller reads it: inert in a run of one process.

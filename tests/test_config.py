@@ -184,6 +184,26 @@ def test_both_front_ends_make_the_same_run_of_the_same_options(pytester):
     assert command_line.world_sizes == (4,) and command_line.backend_plugins == ("a", "b", "c")
 
 
+@pytest.mark.parametrize(
+    "run",
+    [
+        DEFAULTS,
+        RunConfig(runner="processes", world_sizes=(2, 3), backend="gloo", rank_timeout=7.5),
+        RunConfig(runner="torchrun", world_sizes=(4,), nproc_per_node=2, nnodes=2, max_restarts=1),
+        RunConfig(runner="torchrun", world_sizes=(3,), listen="127.0.0.1:7", attach_timeout=9.0),
+    ],
+)
+def test_the_pytest_a_run_starts_makes_the_same_run(pytester, run):
+    """``harness run`` spells its options for pytest from the same table they are declared in:
+    whatever the plugin parses back is the run it was given."""
+    arguments = [a for a in session.pytest_arguments(run) if a.startswith("--") and "=" in a]
+    ours = [a for a in arguments if a.split("=")[0] in {o.spelling for o in OPTIONS}]
+    parsed = from_options(
+        vars(pytester.parseconfig("-p", "harness.plugin", *ours).option), "distconf_"
+    )
+    assert parsed == replace(run, out=parsed.out)
+
+
 def test_the_plugin_refuses_a_runner_in_distconf_words(pytester):
     config = pytester.parseconfig("-p", "harness.plugin", "--runner=mpi")
     with pytest.raises(pytest.UsageError, match="--runner='mpi' must be one of"):
