@@ -113,3 +113,14 @@ def test_by_op_sums_over_groups():
 
     counts = Counter({("all_reduce", (0,)): 2, ("all_reduce", (0, 1)): 1, ("broadcast", (0,)): 1})
     assert by_op(counts) == {"all_reduce": 3, "broadcast": 1}
+
+
+def test_a_function_this_torch_lacks_is_not_counted(monkeypatch):
+    # torch 2.11 has no dist.reduce_scatter_single; counting must still install the rest
+    monkeypatch.delattr(dist, "reduce_scatter_single")
+    original = dist.all_reduce
+    with counting():
+        assert dist.all_reduce is not original
+        assert not hasattr(dist, "reduce_scatter_single")
+    assert dist.all_reduce is original
+    assert not hasattr(dist, "reduce_scatter_single")

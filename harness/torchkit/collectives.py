@@ -114,7 +114,10 @@ def _install() -> None:
         if _users > 1:
             return
         for name in C10D_OPS:
-            original = getattr(dist, name)
+            # torch 2.11 has no reduce_scatter_single: count what this torch has
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
             _installed[name] = original
             setattr(dist, name, _wrap(name, original))
 
