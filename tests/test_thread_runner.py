@@ -381,3 +381,36 @@ def test_among_crashed_ranks_the_primary_is_one_that_says_how():
     ]
     assert primary_rank(outcomes) == 3
     assert primary_rank([*outcomes[:2], RankOutcome(1, "crashed", summary="closed")]) == 1
+
+
+def test_a_collective_settles_each_rank_input_then_the_outputs(world4, monkeypatch):
+    # Rank threads share a device but not its streams: each rank's inputs are settled
+    # before the exchange and the outputs once after it (a device-wide sync on CUDA).
+    from harness.runners import _threaded_pg
+
+    settled = []
+    real = _threaded_pg.settle
+    monkeypatch.setattr(
+        _threaded_pg,
+        "settle",
+        lambda data: (settled.append(len(_threaded_pg._flat(data))), real(data)),
+    )
+    assert world4.run(_all_reduce_ones) == [4.0] * 4
+    assert sorted(settled) == [1, 1, 1, 1, 4]
+
+
+def test_settle_synchronizes_each_accelerator_the_data_lives_on(monkeypatch):
+    from types import SimpleNamespace
+
+    from harness.runners import _threaded_pg
+
+    synced = []
+    module = SimpleNamespace(synchronize=synced.append)
+    monkeypatch.setattr(torch, "get_device_module", lambda device: module)
+    on = [SimpleNamespace(device=torch.device("cuda", i)) for i in (0, 0, 1)]
+    monkeypatch.setattr(_threaded_pg, "_flat", lambda data: data)
+    _threaded_pg.settle([*on, torch.ones(1), torch.ones(1, device="meta")])
+    assert sorted(synced, key=str) == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    synced.clear()
+    _threaded_pg.settle([torch.ones(1)])
+    assert synced == []

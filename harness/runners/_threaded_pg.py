@@ -96,6 +96,19 @@ class _ReduceScatter:
             output.detach().copy_(self.reduce([p.to(output.device) for p in pieces]))
 
 
+def settle(data: Any) -> None:
+    """Wait for every stream of the device ``data`` lives on, where it is an accelerator.
+
+    Rank threads share one device but each issues work on its own streams (FSDP's
+    all-gather and reduce-scatter streams among them), and this group moves data between
+    threads in Python: without a device-wide sync a collective reads inputs another
+    thread's stream has not written yet, and a rank reads outputs before they are written.
+    """
+    devices = {t.device for t in _flat(data) if t.device.type not in ("cpu", "meta")}
+    for device in devices:
+        torch.get_device_module(device).synchronize(device)
+
+
 class Domain:
     """The collectives of one World generation: rendezvous, abort flag, who waits where."""
 
@@ -147,6 +160,7 @@ class Domain:
         """
         key, group_rank, rank = pg.pg_name, pg.group_rank, pg.global_rank
         name = call.split("(", 1)[0]
+        settle(data)
         with self.lock:
             if self.aborted:
                 raise CollectiveAborted(f"{name} on group {key} not started: {self.abort_reason}")
@@ -178,6 +192,7 @@ class Domain:
         else:
             try:
                 rv.work.work(rv.data)
+                settle(rv.data)
             except Exception as exc:  # every participant reports the collective's own failure
                 rv.error = exc
         rv.done = True
