@@ -57,3 +57,21 @@ def test_expectations_check_refuses_it(newer, capsys):
     assert cli.main(["expectations", "check", str(newer)]) == cli.USAGE_ERROR
     error = capsys.readouterr().err
     assert f"must be results this distconf reads: {str(newer)!r}: {PROBLEM}" in error
+
+
+def test_junit_is_written_whole_or_left_as_pytest_wrote_it(newer, tmp_path, monkeypatch):
+    # a run killed or out of disk while adding its verdict must not leave XML a CI cannot parse
+    from harness.outcome import outputs
+
+    xml = tmp_path / "junit.xml"
+    written = '<testsuites><testsuite name="pytest" tests="1" errors="0" /></testsuites>'
+    xml.write_text(written, encoding="utf-8")
+
+    def full_disk(source: object, target: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(outputs.os, "replace", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        junit.add_verdict(xml, session.summarise([newer]))
+    assert xml.read_text(encoding="utf-8") == written
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []

@@ -9,6 +9,7 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 from harness.errors import ReportError
+from harness.outcome.outputs import write_whole
 from harness.outcome.verdict import RunVerdict
 
 _EMPTY = '<testsuites><testsuite name="distconf" tests="0" errors="0" /></testsuites>'
@@ -17,14 +18,10 @@ _EMPTY = '<testsuites><testsuite name="distconf" tests="0" errors="0" /></testsu
 def add_verdict(path: Path, verdict: RunVerdict) -> None:
     """Write ``verdict`` into the JUnit XML file at ``path`` (pytest's ``--junitxml``), or,
     where pytest died before writing one, into a file of its own."""
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(_EMPTY, encoding="utf-8")
     try:
-        tree = ElementTree.parse(path)
+        root = ElementTree.parse(path).getroot() if path.exists() else ElementTree.XML(_EMPTY)
     except (OSError, ElementTree.ParseError) as exc:
         raise ReportError(f"JUnit XML {str(path)!r} cannot be read: {exc}") from None
-    root = tree.getroot()
     suite = root if root.tag == "testsuite" else root.find("testsuite")
     if suite is None:
         raise ReportError(f"JUnit XML {str(path)!r} has no <testsuite>")
@@ -39,4 +36,5 @@ def add_verdict(path: Path, verdict: RunVerdict) -> None:
         error.text = verdict.text
         for counter in ("tests", "errors"):
             suite.set(counter, str(int(suite.get(counter, "0")) + 1))
-    tree.write(path, encoding="utf-8", xml_declaration=True)
+    # whole or not at all: a run killed while writing must not leave XML a CI cannot parse
+    write_whole(path, ElementTree.tostring(root, encoding="unicode", xml_declaration=True))
