@@ -171,6 +171,24 @@ def test_a_run_reads_only_its_own_results_files(tmp_path):
     assert others == [tmp_path / "results.gw0.jsonl", tmp_path / "results.gw3.jsonl"]
 
 
+@pytest.mark.parametrize("command", [["report", "-o", "r.html"], ["expectations", "check"]])
+def test_a_directory_holding_two_runs_is_refused_naming_each(
+    tmp_path, command, capsys, monkeypatch
+):
+    """``harness report DIR`` and ``expectations check DIR`` judge one run: a directory where
+    another run's files lie beside it (copied there, or a plain pytest run's) is refused."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, run_id in (("results.gw0.jsonl", "mine"), ("results.gw3.jsonl", "theirs")):
+        ResultsWriter(out / name, environment_stamp(run_id=run_id)).close(exitstatus=0)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main([*command, str(out)]) == cli.USAGE_ERROR
+    error = capsys.readouterr().err
+    assert f"RESULTS={str(out)!r} must hold the results of one run" in error
+    assert "mine: results.gw0.jsonl; theirs: results.gw3.jsonl" in error
+    assert not (tmp_path / "r.html").exists()
+
+
 def test_a_plain_pytest_session_never_empties_a_results_file_another_is_writing(pytester):
     """``pytest --distconf-results=FILE`` while another session writes FILE: refused (a
     usage error naming the writer), never truncating its records."""

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from harness.errors import fail
+from harness.errors import ReportError, fail
 from harness.outcome.results import read_results
 
 LOCK = ".distconf.lock"
@@ -165,6 +165,24 @@ def results_of(out: Path, run_id: str) -> tuple[list[Path], list[Path]]:
         header = header_of(path) or {}
         (own if header.get("run_id") == run_id else other).append(path)
     return own, other
+
+
+def one_run_in(directory: Path, name: str) -> list[Path]:
+    """The results files in ``directory``; a ``ReportError`` naming each run where they are
+    of several (files copied together, or left by a plain pytest run), since a summary of
+    them would judge one run by another's records."""
+    runs: dict[str, list[str]] = {}
+    found = sorted(directory.glob(RESULTS_GLOB))
+    for path in found:
+        run_id = (header_of(path) or {}).get("run_id") or "without a run_id"
+        runs.setdefault(str(run_id), []).append(path.name)
+    if len(runs) > 1:
+        held = "; ".join(f"{run}: {', '.join(names)}" for run, names in runs.items())
+        raise ReportError(
+            f"{name}={str(directory)!r} must hold the results of one run, and holds those "
+            f"of {len(runs)} ({held}): name one run's files"
+        )
+    return found
 
 
 def write_whole(path: Path, text: str) -> None:

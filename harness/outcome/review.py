@@ -32,6 +32,7 @@ from packaging.version import Version
 
 from harness.errors import ExpectationError, ReportError
 from harness.outcome import expectations, triage
+from harness.outcome.outputs import one_run_in
 from harness.outcome.results import Results, read_results
 
 _HEADER = "[[expect]]"
@@ -54,7 +55,7 @@ def read_run(paths: Sequence[Path]) -> Run:
     """The records of ``paths`` (files, or directories of ``results*.jsonl``); one torch."""
     files: list[Path] = []
     for path in paths:
-        found = sorted(path.glob("results*.jsonl")) if path.is_dir() else [path]
+        found = one_run_in(path, "RESULTS") if path.is_dir() else [path]
         if not found or not all(f.is_file() for f in found):
             raise ReportError(
                 f"RESULTS={str(path)!r} must be a results file or a directory of them"

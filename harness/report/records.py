@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import ReportError as ReportError  # re-exported: callers import it here
+from harness.outcome.outputs import one_run_in
 from harness.outcome.results import STATUSES, Results, read_results
 from harness.outcome.verdict import RunVerdict, is_unexpected, of_results, outcome
 from harness.parity import Verdict
@@ -243,7 +244,7 @@ def expand(paths: Sequence[Path]) -> list[Path]:
     files: list[Path] = []
     for path in paths:
         if path.is_dir():
-            found = sorted(path.glob("results*.jsonl"))
+            found = one_run_in(path, "RESULTS")
             if not found:
                 raise ReportError(f"results directory {str(path)!r} holds no results*.jsonl")
             files += found
