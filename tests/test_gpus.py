@@ -126,3 +126,14 @@ def test_outer_cuda_visible_devices_is_honoured():
         "popen//env:CUDA_VISIBLE_DEVICES=5",
         "popen//env:CUDA_VISIBLE_DEVICES=7",
     ]
+
+
+def test_gpu_workers_also_when_the_plugin_is_named_before_xdist(pytester, monkeypatch, probe):
+    """A checkout that is not installed names the plugin with ``-p``: it then registers before
+    xdist, whose own ``-n`` handling would otherwise see "gpu" first."""
+    monkeypatch.setenv("DISTCONF_SIMULATED_GPUS", "0")
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    run = pytester.runpytest_subprocess(
+        "-p", "harness.plugin", "-p", "xdist.plugin", "-p", "no:cacheprovider", "-n", "gpu", "-rs"
+    )
+    run.assert_outcomes(passed=12, skipped=2)

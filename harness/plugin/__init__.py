@@ -11,6 +11,7 @@ neither live under the suites directory nor ask for the ``world`` fixture.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from typing import Any
 
 import pytest
@@ -37,10 +38,13 @@ def pytest_plugin_registered(plugin: object, manager: pytest.PytestPluginManager
         gpus.accept_gpu_workers(parser)
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_cmdline_main(config: pytest.Config) -> None:
+@pytest.hookimpl(wrapper=True)
+def pytest_cmdline_main(config: pytest.Config) -> Generator[None, object, object]:
+    # A wrapper, not tryfirst: xdist's tryfirst hook reads "-n" and, registered after this
+    # plugin (``-p harness.plugin`` from a checkout), it would run first.
     options.choose_profile(config)
     gpus.resolve_workers(config)
+    return (yield)
 
 
 def pytest_configure(config: pytest.Config) -> None:
