@@ -504,3 +504,20 @@ def test_a_run_with_a_catch_all_expectation_is_refused_before_any_test(tmp_path)
     assert done.returncode == 4, output[-3000:]
     assert "probe.toml #1: fingerprint='(?:)' must be a regular expression found in" in output
     assert not list(out.glob("results*.jsonl")), "a test ran"
+
+
+def test_params_narrow_an_entry_to_the_tests_with_one_of_its_values(tmp_path):
+    (entry,) = _write(tmp_path, ENTRY.format(status="xfail", extra='params = ["masked.sum"]'))
+    match = {**TEST, "torch": "2.13.0"}
+    assert entry.matches(**match, params=("masked.sum",))
+    assert not entry.matches(**match, params=("masked.mean",))
+    assert not entry.matches(**match)
+    assert entry.as_record("2.13.0")["conditions"]["params"] == ["masked.sum"]
+    others = _write(tmp_path, ENTRY.format(status="xfail", extra='params = ["sum", "mean"]'))
+    assert expectations.find(others, **TEST, torch="2.13.0", params=("mean",)) is not None
+    assert expectations.find(others, **TEST, torch="2.13.0", params=("prod",)) is None
+
+
+def test_params_must_be_a_list_of_strings(tmp_path):
+    with pytest.raises(expectations.ExpectationError, match="params"):
+        _write(tmp_path, ENTRY.format(status="xfail", extra="params = [3]"))

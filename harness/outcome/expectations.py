@@ -40,7 +40,7 @@ from harness.errors import check_one_of, fail, raised_as, require
 DEFAULT_DIR = Path(__file__).resolve().parents[2] / "specs" / "expectations"
 STATUSES = ("xfail", "skip", "flaky")
 _REQUIRED = ("spec", "status", "reason", "link")
-_CONDITIONS = ("torch", "runner", "device", "backend", "world_size")
+_CONDITIONS = ("torch", "runner", "device", "backend", "world_size", "params")
 _OPTIONAL = (*_CONDITIONS, "raises", "example", "fingerprint", "verified", "flaky_because")
 _RUNS = ("xfail", "flaky")
 """Statuses whose test runs, so that its failure can be checked against the fingerprint."""
@@ -61,6 +61,9 @@ class Expectation:
     """Process-group backends (``threaded`` for the thread runner's): a deviation of a
     vendor's backend is recorded against it."""
     world_size: tuple[int, ...] = ()
+    params: tuple[str, ...] = ()
+    """Values of the test's own parameters (the op of an ops-suite test, say): the entry
+    holds for a test with one of them; for every test of its spec when empty."""
     raises: tuple[str, ...] = ()
     """Exception class names the deviation shows as; any other failure stays a failure."""
     example: str = ""
@@ -81,7 +84,15 @@ class Expectation:
         return self.fingerprint is None or self.fingerprint.search(failure) is not None
 
     def matches(
-        self, *, spec: str, runner: str, device: str, backend: str, world_size: int, torch: str
+        self,
+        *,
+        spec: str,
+        runner: str,
+        device: str,
+        backend: str,
+        world_size: int,
+        torch: str,
+        params: Sequence[str] = (),
     ) -> bool:
         from harness.runners.base import answers_to
 
@@ -92,6 +103,7 @@ class Expectation:
             and (not self.device or device in self.device)
             and (not self.backend or backend in self.backend)
             and (not self.world_size or world_size in self.world_size)
+            and (not self.params or any(p in self.params for p in params))
         )
 
     def as_record(self, torch: str) -> dict[str, Any]:
@@ -102,6 +114,7 @@ class Expectation:
             "device": list(self.device) or None,
             "backend": list(self.backend) or None,
             "world_size": list(self.world_size) or None,
+            "params": list(self.params) or None,
         }
         return {
             "status": self.status,
@@ -162,6 +175,7 @@ def _parse(entry: Mapping[str, Any], source: str) -> Expectation:
             device=_strings(entry, "device"),
             backend=_strings(entry, "backend"),
             world_size=_ints(entry, "world_size"),
+            params=_strings(entry, "params"),
             raises=_strings(entry, "raises"),
             example=str(entry.get("example", "")),
             fingerprint=fingerprint,
@@ -268,8 +282,10 @@ def find(
     backend: str,
     world_size: int,
     torch: str,
+    params: Sequence[str] = (),
 ) -> Expectation | None:
-    """The entry for one test; two entries matching one test is an error (which wins?)."""
+    """The entry for one test (``params``: the values of its own parameters); two entries
+    matching one test is an error (which wins?)."""
     found = [
         e
         for e in expectations
@@ -280,6 +296,7 @@ def find(
             backend=backend,
             world_size=world_size,
             torch=torch,
+            params=params,
         )
     ]
     if len(found) > 1:

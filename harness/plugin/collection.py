@@ -132,7 +132,16 @@ def _expectation_for(
         backend=backend,
         world_size=key.world_size,
         torch=torch_version,
+        params=_own_params(item),
     )
+
+
+def _own_params(item: pytest.Item) -> tuple[str, ...]:
+    """The values of the test's own string parameters (its World is a parameter too)."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return ()
+    return tuple(v for v in callspec.params.values() if isinstance(v, str))
 
 
 def _is_suite_item(item: pytest.Item, suites: Path) -> bool:
