@@ -82,9 +82,16 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
 
 def _host_copy(tensor: torch.Tensor) -> np.ndarray:
     host = tensor.detach().cpu()
-    if host.dtype == torch.bfloat16:
-        host = host.float()
+    if host._is_zerotensor():
+        host = torch.zeros_like(host)
+    host = host.resolve_conj().resolve_neg()
+    if host.dtype in _WIDENED:
+        host = host.to(_WIDENED[host.dtype])
     return host.numpy().copy()
+
+
+# dtypes numpy lacks, as the wider dtype that holds each of their values exactly
+_WIDENED = {torch.bfloat16: torch.float32, torch.complex32: torch.complex64}
 
 
 def full_array(tensor: torch.Tensor) -> np.ndarray:
