@@ -74,3 +74,15 @@ def hanging() -> settings:
     deadline (where the process runner kills them): three examples, never shrunk, since each
     shrink step would hang again."""
     return settings(deadline=None, max_examples=3, phases=(Phase.explicit, Phase.generate))
+
+
+WIDE_BUDGET = 200
+"""The example budget from which a profile goes wide (``report``, ``nightly``)."""
+
+
+def goes_wide() -> bool:
+    """Whether the loaded profile goes wide: a suite that runs a share of a large table (the
+    ops suite's OpInfos) at the other profiles runs all of it. Asked at collection, once the
+    run's profile is loaded."""
+    budget = settings.default.max_examples if settings.default else 100
+    return budget >= WIDE_BUDGET

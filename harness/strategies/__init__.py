@@ -37,6 +37,7 @@ from harness.strategies.modules import (
     torch_init_cases,
     zero_size_shapes,
 )
+from harness.strategies.ops import opinfo_cases, usable_samples
 from harness.strategies.placements import (
     distribute_cases,
     extremum_empty_shard_cases,
@@ -131,6 +132,7 @@ __all__ = [
     "mlp_cases",
     "module_graphs",
     "op_cases",
+    "opinfo_cases",
     "optim_configs",
     "overlap_cases",
     "owns_subtree",
@@ -164,5 +166,6 @@ __all__ = [
     "uneven_redistribute_cases",
     "uneven_shard_cases",
     "uneven_strided_cases",
+    "usable_samples",
     "zero_size_shapes",
 ]

@@ -1,0 +1,198 @@
+"""Ops: every OpInfo of torch's op database on DTensors of drawn meshes and placements,
+against the op on one device (outputs, their pieces, gradients)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import pytest
+from hypothesis import event, given
+from hypothesis import strategies as st
+
+from harness import RankFailure, World, parity
+from harness.cases.ops import OpInfoCase
+from harness.parity import assert_array_equal, assert_close, assert_equal_values, failure
+from harness.profiles import costly, goes_wide
+from harness.strategies import opinfo_cases, usable_samples
+from harness.torchkit import op_db
+from harness.torchkit.dtensor import DTensorView
+from specs.placements import Partial, Shard, local_arrays
+from suites.checks.ops import (
+    Leaf,
+    OpRefused,
+    OpRun,
+    TensorValue,
+    opinfo_on_one_device,
+    opinfo_on_rank,
+)
+
+# The ops of a transformer's training step (its layers, losses, optimizer arithmetic, views
+# and indexing): every profile runs them; the wide ones (nightly, report) every OpInfo.
+COMMON_OPS = (
+    *("add", "sub", "mul", "div.no_rounding_mode", "neg", "abs", "exp", "log", "sqrt"),
+    *("rsqrt", "pow", "tanh", "sigmoid", "where", "clamp", "zeros_like", "ones_like"),
+    *("full_like", "nn.functional.silu", "nn.functional.gelu", "nn.functional.relu"),
+    *("sum", "mean", "amax", "amin", "max.reduction_with_dim", "min.reduction_with_dim"),
+    *("argmax", "var", "std", "linalg.vector_norm", "softmax", "log_softmax", "cumsum"),
+    *("mm", "bmm", "addmm", "matmul", "einsum", "nn.functional.linear"),
+    *("nn.functional.layer_norm", "nn.functional.rms_norm", "nn.functional.embedding"),
+    *("nn.functional.cross_entropy", "nn.functional.nll_loss", "nn.functional.mse_loss"),
+    # scaled_dot_product_attention only in the wide profiles: DTensor's propagation through
+    # its decomposition takes over a minute for some layouts (ops.toml)
+    *("nn.functional.dropout",),
+    *("view", "reshape", "transpose", "permute", "squeeze", "unsqueeze", "flatten"),
+    *("cat", "stack", "split", "chunk", "narrow", "index_select", "gather", "scatter"),
+    *("index_add", "topk", "sort"),
+)
+OP_KEYS = op_db.op_keys() if goes_wide() else COMMON_OPS
+
+# One example runs one op once (and its backward) on small OpInfo samples; every OpInfo is a
+# test of its own at every world size, so each gets few examples.
+OPS = costly(50)
+
+# Pieces run the op's kernel at other sizes and strides than the whole tensor (vectorised and
+# scalar paths differ in the last bits), and sums over sharded or Partial values add in
+# another order: torch.testing's own default tolerances for the dtype.
+TOLERANCE = {"float32": (1.3e-6, 1e-5), "float64": (1e-7, 1e-7)}
+WHY = "the kernel runs on pieces, and sums over pieces add in another order"
+REFUSED = "OpRefused: "
+
+
+@pytest.mark.spec("ops.opinfo.match_one_device")
+@pytest.mark.parametrize("op", OP_KEYS)
+@OPS
+@given(data=st.data())
+def test_op_on_dtensors_matches_one_device(world: World, op: str, data: st.DataObject) -> None:
+    dtypes = op_db.dtypes_of(op)
+    if not usable_samples(op_db.arguments(op, dtypes[0])):
+        pytest.skip(f"{op}: no sample whose tensors can all be DTensors (dense, one at least)")
+    differentiable = tuple(d for d in dtypes if op_db.differentiable(op, d))
+    cases = opinfo_cases(
+        world.world_size,
+        op=op,
+        dtypes=dtypes,
+        arguments=partial(op_db.arguments, op),
+        differentiable=differentiable,
+        lacks=world.lacks,
+    )
+    case = data.draw(cases, label="case")
+    parity.attach(case.call())
+    try:
+        reference = opinfo_on_one_device(case, world.device)
+    except OpRefused as error:
+        event(f"the sample fails on one device: {error}"[:200])
+        return
+    try:
+        results = world.run(opinfo_on_rank, case)
+    except RankFailure as rank_failure:
+        refusal = _refusal(rank_failure)
+        if refusal is None:
+            raise
+        parity.exercise(f"{op}: refused ({refusal})")
+        return
+    parity.exercise(f"{op}: conformant")
+    for rank, run in enumerate(results):
+        _assert_run(run, reference, case, rank)
+
+
+def _refusal(rank_failure: RankFailure) -> str | None:
+    """What every rank refused alike: the phase and the exception's type; None when some rank
+    did not refuse, or refused otherwise (a deviation)."""
+    outcomes = rank_failure.outcomes
+    if any(o.status != "error" or REFUSED not in o.summary for o in outcomes):
+        return None
+    kinds = {_refused_kind(o.summary) for o in outcomes}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def _refused_kind(summary: str) -> str:
+    phase, kind, *_ = summary.partition(REFUSED)[2].split(": ", 2)
+    return f"{phase}: {kind}"
+
+
+def _assert_run(run: OpRun, reference: OpRun, case: OpInfoCase, rank: int) -> None:
+    __tracebackhide__ = True
+    random = op_db.is_random(case.op, case.dtype, case.sample)
+    for what, got, want in (
+        ("output", run.outputs, reference.outputs),
+        ("gradient of tensor argument", run.grads, reference.grads),
+    ):
+        assert_equal_values(len(got), len(want), what=f"number of {what}s on rank {rank}")
+        for number, (leaf, expected) in enumerate(zip(got, want, strict=True)):
+            who = f"{what} {number} of {case.op} on rank {rank}"
+            _assert_leaf(leaf, expected, case, who, compare_values=not random)
+
+
+def _assert_leaf(
+    leaf: Leaf, expected: Leaf, case: OpInfoCase, who: str, *, compare_values: bool
+) -> None:
+    __tracebackhide__ = True
+    if not isinstance(expected, TensorValue):
+        assert_equal_values(_spelled(leaf), expected, what=who)
+        return
+    if not isinstance(leaf, DTensorView):
+        raise failure(f"{who}: got {_spelled(leaf)}, should be a DTensor")
+    assert_equal_values(leaf.shape, tuple(expected.values.shape), what=f"shape of {who}")
+    assert_equal_values(leaf.dtype, expected.dtype, what=f"dtype of {who}")
+    _assert_placements_fit(leaf, who)
+    if not compare_values:
+        return
+    assert leaf.full is not None
+    _assert_values(leaf.full, expected.values, case, f"full_tensor() of {who}")
+    piece = _expected_piece(leaf, expected.values, case.mesh_shape)
+    if piece is not None:
+        _assert_values(leaf.local, piece, case, f"to_local() of {who} {list(leaf.placements)}")
+
+
+def _assert_placements_fit(view: DTensorView, who: str) -> None:
+    __tracebackhide__ = True
+    ndim = len(view.shape)
+    for placement in view.placements:
+        if isinstance(placement, Shard) and not -ndim <= placement.dim < max(ndim, 0):
+            raise failure(
+                f"placements of {who}: got {list(view.placements)}, should shard only dims "
+                f"of a tensor of rank {ndim}"
+            )
+
+
+def _spelled(leaf: Leaf) -> str | None:
+    if isinstance(leaf, DTensorView):
+        return f"a DTensor {list(leaf.shape)}"
+    if isinstance(leaf, TensorValue):
+        return f"a tensor {list(leaf.values.shape)}"
+    return leaf
+
+
+def _assert_values(actual: np.ndarray, expected: np.ndarray, case: OpInfoCase, what: str) -> None:
+    __tracebackhide__ = True
+    if expected.dtype.kind not in "fc":
+        assert_array_equal(actual, expected, what=what)
+        return
+    rtol, atol = TOLERANCE[case.dtype]
+    parts = (("real", np.real), ("imag", np.imag)) if expected.dtype.kind == "c" else (("", None),)
+    for name, part in parts:
+        got, want = (actual, expected) if part is None else (part(actual), part(expected))
+        where = f"{what} ({name})" if name else what
+        assert_close(
+            got,
+            want,
+            rtol=rtol,
+            atol=atol,
+            dtype=case.dtype,
+            what=where,
+            why=WHY,
+            record_as=f"ops/{case.dtype}",
+        )
+
+
+def _expected_piece(
+    view: DTensorView, expected: np.ndarray, mesh_shape: tuple[int, ...]
+) -> np.ndarray | None:
+    """The piece of ``expected`` the view's placements give its rank on the case's mesh
+    (every output lives on its inputs' mesh); None where a piece is a contribution
+    (Partial) or of a placement the model does not know."""
+    if any(isinstance(p, str | Partial) for p in view.placements):
+        return None
+    known = tuple(p for p in view.placements if not isinstance(p, str))
+    return local_arrays(expected, mesh_shape, known)[view.coord]
