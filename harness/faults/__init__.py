@@ -9,7 +9,9 @@ gradients, result metadata, factories), ``placements_meshes``, ``uneven``,
 ``optim_data_parallel`` (FSDP2, HSDP and DDP around forward and backward),
 ``optim_kernels`` (optimizer kernels, clip_grad_norm_), ``zero``, ``fsdp_init``,
 ``state_dict_dcp`` (distributed checkpoints), ``state_dict_api`` (the distributed
-state-dict API), ``hsdp``, ``tp``; ``_wraps`` holds the wraps faults of several areas share.
+state-dict API), ``hsdp``, ``tp``, ``ops_rules`` (the sharding rules of DTensor's ops:
+reductions, norms, losses, pointwise, foreach, random and matmul ops) and ``ops_rules_views``
+(views and indexing ops); ``_wraps`` holds the wraps faults of several areas share.
 How each fault was written is data on it (``Fault.origin``): with the property, or blind in a
 held-out set from upstream reports (``held_out`` records what each set found). Each patch was
 written for torch 2.13: a target that is gone raises ``FaultError`` when applied.
@@ -37,6 +39,8 @@ from harness.errors import FaultError
 from harness.faults import (
     fsdp_init,
     hsdp,
+    ops_rules,
+    ops_rules_views,
     optim_data_parallel,
     optim_kernels,
     placements_api,
@@ -68,6 +72,8 @@ _ALL = (
     *state_dict_api.FAULTS,
     *hsdp.FAULTS,
     *tp.FAULTS,
+    *ops_rules.FAULTS,
+    *ops_rules_views.FAULTS,
 )
 FAULTS: dict[str, Fault] = {fault.id: fault for fault in _ALL}
 BUILTIN = frozenset(FAULTS)

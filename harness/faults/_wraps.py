@@ -1,11 +1,15 @@
 """The wraps and helpers that faults of several areas share: a ``Patch.wrap`` forcing an
 argument, one recompiling torch's own source with edits, one editing FSDP2's gradient divide
-factors; whether tensors are DTensors. Nothing here imports torch until a patch is applied."""
+factors, one editing entries of a table keyed by op; a copy of a function seeing other
+globals; whether tensors are DTensors. Nothing here imports torch until a patch is
+applied."""
 
 from __future__ import annotations
 
 import inspect
+import re
 import textwrap
+import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -34,14 +38,19 @@ def forcing_argument(name: str, value: Any) -> Wrap:
     return wrap
 
 
-def rewritten(*edits: tuple[str, str]) -> Wrap:
+def rewritten(*edits: tuple[str, str], undecorated: bool = False) -> Wrap:
     """A ``Patch.wrap`` that recompiles a function (or method) from its own source with each
     ``old`` line replaced by ``new`` (each ``old`` must occur exactly once), in the function's
-    own module globals (decorators are re-applied; the module itself is not touched)."""
+    own module globals (decorators are re-applied, or dropped with ``undecorated``: a
+    registering decorator would register the copy for good; the module itself is not
+    touched)."""
 
     def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         function = inspect.unwrap(original)
         source = textwrap.dedent(inspect.getsource(function))
+        if undecorated:
+            start = re.search(r"^def ", source, re.MULTILINE)
+            source = source[start.start() if start else 0 :]
         for old, new in edits:
             if source.count(old) != 1:
                 raise FaultError(
@@ -100,3 +109,38 @@ def any_dtensor(tensors: Iterable[Any]) -> bool:
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(t, DTensor) for t in tensors)
+
+
+def table_entries_edited(
+    ops: Callable[[], Iterable[Any]], edit: Callable[[Any], Any]
+) -> Callable[[dict[Any, Any]], dict[Any, Any]]:
+    """A ``Patch.wrap`` of a table keyed by op (a sharding propagator's strategies, schema
+    infos): a copy whose entry for each op of ``ops()`` (resolved when the patch is applied)
+    is ``edit(entry)``; an op absent from the table is a ``FaultError``."""
+
+    def wrap(original: dict[Any, Any]) -> dict[Any, Any]:
+        table = dict(original)
+        for op in ops():
+            if op not in table:
+                raise FaultError(
+                    f"{op} has no entry in the table; the fault was written for torch 2.13 "
+                    "and must be updated"
+                )
+            table[op] = edit(table[op])
+        return table
+
+    return wrap
+
+
+def with_globals(function: Callable[..., Any], **names: Any) -> Callable[..., Any]:
+    """A copy of ``function`` that sees ``names`` in place of its module's globals of the same
+    names (the module itself is not touched)."""
+    copy = types.FunctionType(
+        function.__code__,
+        {**function.__globals__, **names},
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    copy.__kwdefaults__ = function.__kwdefaults__
+    return copy
