@@ -43,6 +43,7 @@ from harness.runners.base import (
     released_outcome,
     skip_reason,
 )
+from harness.torchkit import reach
 
 STACK_SIGNAL = signal.SIGUSR1
 GLOO_INTERFACE_VAR = "GLOO_SOCKET_IFNAME"
@@ -424,6 +425,7 @@ class _Rank:
         from harness.torchkit.context import RankContext
 
         internals.quiet_known_warnings()
+        reach.install_from_environment()  # the DTensor ops this rank reaches, for the run
         # a mutation run: the driver's faults, here too
         faults.apply_in_rank(config.faults, config.fault_files)
         self.config = config
@@ -519,6 +521,8 @@ class _Rank:
             return RankOutcome(rank, "ok", value=fn(self.ctx, *args))
         except BaseException as exc:
             outcome = self._failure(exc)
+        finally:
+            reach.flush()
         self._release_peers()
         return outcome
 
