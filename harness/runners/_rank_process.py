@@ -94,6 +94,8 @@ class RankConfig:
     """Modules imported before anything else in the rank (they may register the backend)."""
     faults: tuple[str, ...] = ()
     fault_files: tuple[str, ...] = ()
+    reach_dir: str = ""
+    """Where the rank records the DTensor ops it reaches (the driver's $DISTCONF_REACH_DIR)."""
     rendezvous: str = "file"
     """``file``: a FileStore per generation in ``directory`` (the process runner); ``env``:
     torchrun's store (``MASTER_ADDR``/``MASTER_PORT``), a key prefix per generation."""
@@ -425,7 +427,8 @@ class _Rank:
         from harness.torchkit.context import RankContext
 
         internals.quiet_known_warnings()
-        reach.install_from_environment()  # the DTensor ops this rank reaches, for the run
+        if config.reach_dir:
+            reach.install(config.reach_dir)
         # a mutation run: the driver's faults, here too
         faults.apply_in_rank(config.faults, config.fault_files)
         self.config = config
