@@ -172,6 +172,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_expectations(commands)
     _add_mutate(commands)
     _add_bench(commands)
+    _add_reach(commands)
     return parser
 
 
@@ -315,6 +316,23 @@ def _add_bench(commands: Any) -> None:
     bench.add_argument("--trials", type=int, default=2, help="spawn-per-check trials per row")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(handler=_bench)
+
+
+def _add_reach(commands: Any) -> None:
+    reach = commands.add_parser(
+        "reach", help="which of the ops DTensor has a sharding rule for the runs reached"
+    )
+    reach.add_argument("dirs", nargs="+", help="runs' output directories (or reach folders)")
+    reach.add_argument("--missing", action="store_true", help="list the ops never reached")
+    reach.add_argument("--json", default=None, help="also write the figures here")
+    reach.set_defaults(handler=_reach)
+
+
+def _reach(args: argparse.Namespace) -> int:
+    from harness.report import reach
+
+    json_path = Path(args.json) if args.json else None
+    return reach.command([Path(d) for d in args.dirs], missing=args.missing, json_path=json_path)
 
 
 def _usable_cpus() -> int:

@@ -39,7 +39,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,11 +63,16 @@ SignalHandler = Callable[[int, Any], Any] | int | None
 
 
 def run_pytest(
-    arguments: Sequence[str], *, results_dir: Path | None = None, test_timeout: float = 0.0
+    arguments: Sequence[str],
+    *,
+    results_dir: Path | None = None,
+    test_timeout: float = 0.0,
+    environment: Mapping[str, str] | None = None,
 ) -> int:
     """``pytest.main(arguments)`` in a forked child; its exit code (negative: the signal that
     ended it). With ``results_dir`` and a ``test_timeout`` (0: none), a test that runs past it
-    and ``KILL_GRACE`` in the results files there ends the child's process group."""
+    and ``KILL_GRACE`` in the results files there ends the child's process group.
+    ``environment``: variables set in the child (and so in every process it starts)."""
     import pytest
 
     deadline = None
@@ -80,7 +85,9 @@ def run_pytest(
         parent = os.getpid()
         child = os.fork()
         if child == 0:
-            _run_child(lambda: int(pytest.main(list(arguments))), parent, temporary)
+            _run_child(
+                lambda: int(pytest.main(list(arguments))), parent, temporary, environment or {}
+            )
         with contextlib.suppress(OSError):  # the child may already have done it, or exited
             os.setpgid(child, child)
         with _forwarding_signals(child), _terminal_given_to(child):
@@ -90,13 +97,16 @@ def run_pytest(
     return os.waitstatus_to_exitcode(status)
 
 
-def _run_child(main: Callable[[], int], parent: int, temporary: str) -> None:
+def _run_child(
+    main: Callable[[], int], parent: int, temporary: str, environment: Mapping[str, str]
+) -> None:
     code = _INTERNAL_ERROR
     try:
         os.setpgid(0, 0)
         interrupt_on_sigterm()
         _end_with_parent(parent, temporary)
         os.environ["TMPDIR"] = tempfile.tempdir = temporary
+        os.environ.update(environment)
         code = main()
     except KeyboardInterrupt:
         code = _INTERRUPTED

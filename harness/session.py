@@ -23,6 +23,7 @@ from harness.outcome import junit, outputs, triage, verdict
 from harness.outcome.results import SEVERITY, read_results
 from harness.outcome.verdict import RunVerdict
 from harness.profiles import needs_seed
+from harness.torchkit import reach
 
 RESULTS = "results.jsonl"
 """The results file of a run under ``config.out`` (``results.gwN.jsonl`` per xdist worker)."""
@@ -118,7 +119,8 @@ def run(config: RunConfig, *, extra: Sequence[str] = ()) -> int:
     The run holds ``config.out`` (``outputs.locked``: a second run there is refused) and
     reads back only the results files its own pytest wrote (their ``run_id``). pytest moves
     an earlier run's records aside (``outputs.keep_earlier``), never deletes them, once it
-    has checked its own configuration."""
+    has checked its own configuration. Every process of the run records the DTensor ops it
+    reaches in ``OUT/reach`` (``torchkit.reach``, through ``$DISTCONF_REACH_DIR``)."""
     config.check_outputs()
     config.check_machine()
     with outputs.locked(config.out):
@@ -128,6 +130,7 @@ def run(config: RunConfig, *, extra: Sequence[str] = ()) -> int:
             pytest_arguments(config, extra=extra, run_id=run_id),
             results_dir=config.out,
             test_timeout=config.test_timeout,
+            environment={reach.ENV_VAR: str(config.out / outputs.REACH)},
         )
         files, others = outputs.results_of(config.out, run_id)
         if not files:

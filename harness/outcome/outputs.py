@@ -8,7 +8,8 @@
   second run is refused, naming the process that holds it. The kernel releases the lock when
   the last process holding it ends (the forked pytest child inherits it), so a crash never
   leaves a directory refused.
-- ``keep_earlier``: an earlier run's records and report moved to ``OUT/earlier/<its start>/``.
+- ``keep_earlier``: an earlier run's records, report and reach folder (``REACH``) moved to
+  ``OUT/earlier/<its start>/``.
 - ``results_of``: the results files one run wrote, told apart by the ``run_id`` of their header.
 - ``write_whole``: a file written all or nothing (a temp beside it, renamed over it).
 """
@@ -35,6 +36,8 @@ LOCK = ".distconf.lock"
 RESULTS_GLOB = "results*.jsonl"
 """A run's results files in its output directory (``results.gwN.jsonl`` per xdist worker)."""
 REPORT = "report.html"
+REACH = "reach"
+"""The folder of a run's reach files: the DTensor ops each of its processes reached."""
 
 
 def new_run_id() -> str:
@@ -127,12 +130,13 @@ def _holder(lock: Path) -> str:
 
 
 def keep_earlier(out: Path) -> Path | None:
-    """Move an earlier run's records and report in ``out`` to ``out/earlier/<its start>/``,
-    so that a new run never summarises them and never loses them; where they went."""
+    """Move an earlier run's records, reach folder and report in ``out`` to
+    ``out/earlier/<its start>/``, so that a new run never summarises them and never loses
+    them; where they went."""
     earlier = sorted(out.glob(RESULTS_GLOB)) if out.is_dir() else []
-    if not earlier:
+    if not earlier and not (out / REACH).exists():
         return None
-    header = read_results(earlier[0]).header or {}
+    header = (read_results(earlier[0]).header if earlier else None) or {}
     stamp = re.sub(r"[^0-9A-Za-z]+", "-", str(header.get("started") or "unknown")).strip("-")
     target = out / "earlier" / stamp
     suffix = 1
@@ -140,7 +144,7 @@ def keep_earlier(out: Path) -> Path | None:
         suffix += 1
         target = out / "earlier" / f"{stamp}-{suffix}"
     target.mkdir(parents=True)
-    for path in [*earlier, out / REPORT]:
+    for path in [*earlier, out / REPORT, out / REACH]:
         if path.exists():
             path.rename(target / path.name)
     print(f"distconf: the earlier run's records in {out} were moved to {target}")

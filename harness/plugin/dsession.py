@@ -1,7 +1,9 @@
 """The plugin's session object: the one place its state lives, registered at configure time
 (as pytest-xdist registers its ``DSession``). Its hooks hand each concern to its module:
 ``worlds`` (the Worlds tests run on), ``collection`` (spec checks, expectations, order),
-``recording`` (one results record per test)."""
+``recording`` (one results record per test). Where ``$DISTCONF_REACH_DIR`` is set (``harness
+run`` sets it), each pytest process records the DTensor ops its tests reach
+(``torchkit.reach``), written after each test."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from harness.config import RunConfig
 from harness.outcome.results import ResultsWriter
 from harness.plugin import collection, deviations, gpus, options, recording, scheduling, state
 from harness.plugin.worlds import SessionWorlds
+from harness.torchkit import reach
 
 NAME = "distconf-session"
 
@@ -38,6 +41,7 @@ class DistconfSession:
         """SIGTERM interrupts the session as Ctrl-C does, in every pytest process of a run
         (xdist's workers start as new programs: ``harness run``'s handler is not theirs)."""
         self._sigterm = forked.interrupt_on_sigterm()
+        reach.install_from_environment()
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         if self._sigterm is not None:
@@ -55,6 +59,7 @@ class DistconfSession:
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         self.worlds.close()
+        reach.flush()
         if self.writer is not None:
             ending = self.worlds.end_fields()
             self.writer.close(exitstatus=int(exitstatus), interrupted=self.interrupted, **ending)
@@ -69,6 +74,9 @@ class DistconfSession:
         # workers' files, so only a process that runs tests writes its starts.
         if self.writer is not None and not self.config.pluginmanager.has_plugin("dsession"):
             self.writer.write_start(nodeid)
+
+    def pytest_runtest_logfinish(self, nodeid: str) -> None:
+        reach.flush()  # writes only when the test reached an op no earlier test did
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         self.worlds.parametrize(metafunc)

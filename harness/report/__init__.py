@@ -3,7 +3,8 @@
 Self-contained (inline CSS and SVG, no scripts, no network), rendered from results files
 only. Data shaping lives in ``records`` (reading), ``model`` (summary, matrix, failures),
 ``parity`` (error metrics and their chart) and ``compare`` (a baseline run); ``render``
-lays it out with the templates of ``templates/``.
+lays it out with the templates of ``templates/``. ``reach`` measures which DTensor ops the
+run reached (``python -m harness reach``, and a line of the report).
 """
 
 from harness.errors import ReportError

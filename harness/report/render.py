@@ -13,7 +13,7 @@ import jinja2
 from harness import catalogue
 from harness.errors import CatalogueError, ReportError
 from harness.outcome import outputs
-from harness.report import compare, model, mutation, parity, records
+from harness.report import compare, model, mutation, parity, reach, records
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,8 @@ class Page:
     parity: parity.Parity | None
     comparison: compare.Comparison | None
     mutation: mutation.Detection | None = None
+    reach: str | None = None
+    """How many of the ops DTensor has a rule for the run reached, where it recorded them."""
 
 
 def _seconds(value: float | None) -> str:
@@ -77,7 +79,14 @@ def build_page(
     if baseline:
         comparison = compare.compare(loaded, records.load(baseline), report.anchors, match)
     detection = mutation.load(mutation_table) if mutation_table else None
-    return Page(_title(report), report, parity.parity(loaded.records), comparison, detection)
+    return Page(
+        _title(report),
+        report,
+        parity.parity(loaded.records),
+        comparison,
+        detection,
+        reach.summary_of(results),
+    )
 
 
 def render_page(page: Page) -> str:

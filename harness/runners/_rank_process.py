@@ -43,6 +43,7 @@ from harness.runners.base import (
     released_outcome,
     skip_reason,
 )
+from harness.torchkit import reach
 
 STACK_SIGNAL = signal.SIGUSR1
 GLOO_INTERFACE_VAR = "GLOO_SOCKET_IFNAME"
@@ -93,6 +94,8 @@ class RankConfig:
     """Modules imported before anything else in the rank (they may register the backend)."""
     faults: tuple[str, ...] = ()
     fault_files: tuple[str, ...] = ()
+    reach_dir: str = ""
+    """Where the rank records the DTensor ops it reaches (the driver's $DISTCONF_REACH_DIR)."""
     rendezvous: str = "file"
     """``file``: a FileStore per generation in ``directory`` (the process runner); ``env``:
     torchrun's store (``MASTER_ADDR``/``MASTER_PORT``), a key prefix per generation."""
@@ -424,6 +427,8 @@ class _Rank:
         from harness.torchkit.context import RankContext
 
         internals.quiet_known_warnings()
+        if config.reach_dir:
+            reach.install(config.reach_dir)
         # a mutation run: the driver's faults, here too
         faults.apply_in_rank(config.faults, config.fault_files)
         self.config = config
@@ -519,6 +524,8 @@ class _Rank:
             return RankOutcome(rank, "ok", value=fn(self.ctx, *args))
         except BaseException as exc:
             outcome = self._failure(exc)
+        finally:
+            reach.flush()
         self._release_peers()
         return outcome
 

@@ -61,6 +61,7 @@ from harness.errors import WorldStartError, invalid
 from harness.runners import _rank_process
 from harness.runners.base import DEFAULT_TIMEOUT, RankOutcome
 from harness.runners.world import PersistentWorld
+from harness.torchkit import reach
 
 RUNNER = "processes"
 _START_TIMEOUT = 180.0
@@ -223,6 +224,7 @@ class _Pool:
             backend_plugins=self.plugins,
             faults=self.faults[0],
             fault_files=self.faults[1],
+            reach_dir=os.environ.get(reach.ENV_VAR, ""),
         )
         process = context.Process(
             target=_rank_process.main,

@@ -30,6 +30,7 @@ from typing import Any
 
 from harness.runners import _rank_process
 from harness.runners.torchrun import channel
+from harness.torchkit import reach
 
 CONNECT_TIMEOUT = 120.0
 
@@ -122,6 +123,7 @@ class _Supervisor:
             rendezvous="env",
             device_index=info.local_rank,
             round=settings.round,
+            reach_dir=os.environ.get(reach.ENV_VAR, ""),
         )
         self.files.new_process()
         context = multiprocessing.get_context("spawn")
