@@ -62,7 +62,7 @@ def _run(args: argparse.Namespace) -> int:
     jobs = args.jobs
     if jobs is None:  # torchrun's agents attach to one driver
         jobs = 1 if args.runner == "torchrun" else _usable_cpus()
-    config = _config(args, junit=junit, workers=jobs)
+    config = _config(args, junit=junit, workers=jobs, reach=args.reach)
     try:
         return session.run(config, extra=args.pytest_args)
     except InvalidArgument as exc:  # the machine refused the options (session.run checks it)
@@ -153,6 +153,11 @@ def _parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run the conformance suites")
     _add_run_options(run, out=DEFAULTS.out)
     run.add_argument("--junit", default=None, help="also write JUnit XML here (CI annotations)")
+    run.add_argument(
+        "--reach",
+        action="store_true",
+        help="record the DTensor ops the run reaches in OUT/reach (measured by harness reach)",
+    )
     run.add_argument(
         "--jobs",
         type=int,

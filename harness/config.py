@@ -67,6 +67,9 @@ class RunConfig:
     """Where the results files, the report and (for ``mutate``) the logs go."""
     junit: Path | None = None
     """Also write JUnit XML here."""
+    reach: bool = False
+    """Record the DTensor ops every process of the run reaches, in ``OUT/reach``
+    (``harness reach`` measures them)."""
     faults: tuple[str, ...] = ()
     """Fault IDs injected for the whole run (``harness.faults``): a mutation run."""
     fault_files: tuple[str, ...] = ()

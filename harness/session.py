@@ -119,8 +119,9 @@ def run(config: RunConfig, *, extra: Sequence[str] = ()) -> int:
     The run holds ``config.out`` (``outputs.locked``: a second run there is refused) and
     reads back only the results files its own pytest wrote (their ``run_id``). pytest moves
     an earlier run's records aside (``outputs.keep_earlier``), never deletes them, once it
-    has checked its own configuration. Every process of the run records the DTensor ops it
-    reaches in ``OUT/reach`` (``torchkit.reach``, through ``$DISTCONF_REACH_DIR``)."""
+    has checked its own configuration. With ``config.reach``, every process of the run records
+    the DTensor ops it reaches in ``OUT/reach`` (``torchkit.reach``, through
+    ``$DISTCONF_REACH_DIR``)."""
     config.check_outputs()
     config.check_machine()
     with outputs.locked(config.out):
@@ -130,7 +131,7 @@ def run(config: RunConfig, *, extra: Sequence[str] = ()) -> int:
             pytest_arguments(config, extra=extra, run_id=run_id),
             results_dir=config.out,
             test_timeout=config.test_timeout,
-            environment={reach.ENV_VAR: str(config.out / outputs.REACH)},
+            environment={reach.ENV_VAR: str(config.out / outputs.REACH)} if config.reach else {},
         )
         files, others = outputs.results_of(config.out, run_id)
         if not files:

@@ -206,7 +206,7 @@ def test_a_run_leaves_the_ops_it_reached_in_its_out(tmp_path, runner):
     command = [
         sys.executable, "-m", "harness", "run", "--runner", runner, "--suite", "uneven",
         "--world-sizes", "1", "--profile", "dev", "--seed", "1", "--jobs", "1",
-        "--out", str(out), "--", str(tmp_path / "test_drill.py"), "-k", "reaches_mul",
+        "--out", str(out), "--reach", "--", str(tmp_path / "test_drill.py"), "-k", "reaches_mul",
     ]  # fmt: skip
     done = subprocess.run(
         command, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
@@ -216,3 +216,20 @@ def test_a_run_leaves_the_ops_it_reached_in_its_out(tmp_path, runner):
     dispatched = reach_report.read([out]).overloads
     assert {"aten.mul.Tensor", "aten.sum.default"} <= dispatched
     assert "DTensor ops reached: " in (out / outputs.REPORT).read_text()
+
+
+def test_a_run_records_nothing_unless_asked(tmp_path):
+    (tmp_path / "test_drill.py").write_text(DRILL)
+    out = tmp_path / "out"
+    command = [
+        sys.executable, "-m", "harness", "run", "--suite", "uneven", "--world-sizes", "1",
+        "--profile", "dev", "--seed", "1", "--jobs", "1", "--out", str(out), "--",
+        str(tmp_path / "test_drill.py"), "-k", "reaches_mul",
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+        env={k: v for k, v in os.environ.items() if k != "DISTCONF_REACH_DIR"}
+        | {"PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert not (out / outputs.REACH).exists()
