@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 RUNNERS = ("threads", "processes", "torchrun", "local")
 """The runners; the first is the default."""
 
-SERVES: dict[str, frozenset[str]] = {"local": frozenset({"placements", "uneven"})}
+SERVES: dict[str, frozenset[str]] = {"local": frozenset({"placements", "uneven", "ops"})}
 """The suites a runner serves, for the runners that serve only some (the others skip)."""
 
 

@@ -24,6 +24,7 @@ from harness.torchkit.context import RankContext
 from harness.torchkit.dtensor import (
     DTensorView,
     dtype_name,
+    tensor_from,
     to_numpy,
     to_torch_placements,
     view_of,
@@ -116,15 +117,19 @@ def _run(case: OpInfoCase, inputs: list[torch.Tensor], viewed: Any) -> OpRun:
     if not started or not needing:
         return OpRun(outputs, (), 0)
     try:
-        grads = torch.autograd.grad(
-            started,
-            needing,
-            [_grad_output(t, n) for n, t in enumerate(started)],
-            allow_unused=True,
+        grads = iter(
+            torch.autograd.grad(
+                started,
+                needing,
+                [_grad_output(t, n) for n, t in enumerate(started)],
+                allow_unused=True,
+            )
         )
     except Exception as error:
         raise OpRefused(f"backward: {type(error).__name__}: {error}") from error
-    return OpRun(outputs, tuple(_leaf(viewed(g)) for g in grads), len(started))
+    # one entry per tensor argument, None for those that need no gradient
+    per_argument = [next(grads) if t.requires_grad else None for t in inputs]
+    return OpRun(outputs, tuple(_leaf(viewed(g)) for g in per_argument), len(started))
 
 
 def _leaf(value: Any) -> Leaf:
@@ -137,15 +142,14 @@ def _leaf(value: Any) -> Leaf:
 
 def _grad_output(output: torch.Tensor, number: int) -> torch.Tensor:
     """A seeded gradient for output ``number``: not all ones, so a gradient that lands on
-    the wrong element shows; replicated when the output is a DTensor."""
-    generator = torch.Generator().manual_seed(1000 + number)
-    values = torch.randn(output.shape, generator=generator, dtype=torch.float64)
-    values = values.to(output.dtype)
+    the wrong element shows; replicated when the output is a DTensor. Drawn by numpy: a
+    simulated world would give each rank other values of torch's generator."""
+    values = np.random.default_rng(1000 + number).standard_normal(tuple(output.shape))
+    made = tensor_from(values, "float64", output.device).to(output.dtype)
     if not isinstance(output, DTensor):
-        return values.to(output.device)
-    mesh = output.device_mesh
-    replicated = [Replicate()] * mesh.ndim
-    return DTensor.from_local(values.to(output.device), mesh, replicated, run_check=False)
+        return made
+    replicated = [Replicate()] * output.device_mesh.ndim
+    return DTensor.from_local(made, output.device_mesh, replicated, run_check=False)
 
 
 def _piece(
