@@ -44,6 +44,8 @@ COMMON_OPS = (
     *("view", "reshape", "transpose", "permute", "squeeze", "unsqueeze", "flatten"),
     *("cat", "stack", "split", "chunk", "narrow", "index_select", "gather", "scatter"),
     *("index_add", "topk", "sort"),
+    *("_foreach_add", "_foreach_mul", "_foreach_div", "_foreach_norm", "_foreach_lerp"),
+    *("_foreach_addcmul", "_foreach_addcdiv", "_foreach_sqrt", "_foreach_max"),
 )
 OP_KEYS = op_db.op_keys() if goes_wide() else COMMON_OPS
 

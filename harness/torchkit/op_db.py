@@ -28,10 +28,10 @@ _lock = threading.Lock()
 @cache
 def _database() -> dict[str, Any]:
     # The import builds ~700 OpInfos (seconds): it waits for the first case that needs it.
-    from torch.testing._internal.common_methods_invocations import op_db
+    from torch.testing._internal import common_methods_invocations as database
 
     ops: dict[str, Any] = {}
-    for op in op_db:
+    for op in (*database.op_db, *_foreach_ops(database)):
         supported = op.supported_dtypes("cpu")
         if any(dtype in supported for dtype in DTYPES.values()):
             key = f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
@@ -39,8 +39,20 @@ def _database() -> dict[str, Any]:
     return ops
 
 
+def _foreach_ops(database: Any) -> list[Any]:
+    """The ``_foreach_*`` OpInfos (optimizers' kernels), kept in tables of their own."""
+    tables = ("unary", "binary", "pointwise", "reduce", "other")
+    return [op for table in tables for op in getattr(database, f"foreach_{table}_op_db")]
+
+
+def _sample_options(op: Any) -> dict[str, Any]:
+    # a foreach sample is a list of 20 tensors by default: 3 lay out every kind of list
+    return {"num_input_tensors": [3]} if op.name.startswith("_foreach_") else {}
+
+
 def op_keys() -> tuple[str, ...]:
-    """Every OpInfo with a float32 or float64 kernel on the CPU, by key, sorted."""
+    """Every OpInfo (the ``_foreach_*`` ones included) with a float32 or float64 kernel on
+    the CPU, by key, sorted."""
     return tuple(sorted(_database()))
 
 
@@ -68,7 +80,12 @@ def samples(key: str, dtype: str) -> tuple[Any, ...]:
     with _lock, torch.random.fork_rng(devices=[]):
         torch.manual_seed(_SAMPLE_SEED)
         return tuple(
-            op.sample_inputs("cpu", DTYPES[dtype], requires_grad=differentiable(key, dtype))
+            op.sample_inputs(
+                "cpu",
+                DTYPES[dtype],
+                requires_grad=differentiable(key, dtype),
+                **_sample_options(op),
+            )
         )
 
 
