@@ -96,8 +96,22 @@ def test_op_on_dtensors_matches_one_device(world: World, op: str, data: st.DataO
         parity.exercise(f"{op}: refused ({refusal})")
         return
     parity.exercise(f"{op}: conformant")
+    _assert_backward_refusals(results, reference, op)
     for rank, run in enumerate(results):
         _assert_run(run, reference, case, rank)
+
+
+def _assert_backward_refusals(results: list[OpRun], reference: OpRun, op: str) -> None:
+    """A backward pass refused alike on every rank is coverage (its gradients are not
+    compared); one device refusing it too leaves nothing to compare."""
+    __tracebackhide__ = True
+    refusals = {run.backward_refused.split(":", 1)[0] for run in results}
+    if len(refusals) > 1:
+        by_rank = {rank: run.backward_refused or "no error" for rank, run in enumerate(results)}
+        raise failure(f"backward: got {by_rank}, should be the same on every rank")
+    refused = refusals.pop()
+    if refused and not reference.backward_refused:
+        parity.exercise(f"{op}: backward refused ({refused})")
 
 
 def _refusal(rank_failure: RankFailure) -> str | None:
@@ -129,6 +143,8 @@ def _assert_run(run: OpRun, reference: OpRun, case: OpInfoCase, rank: int) -> No
         ("output", run.outputs, reference.outputs),
         ("gradient of tensor argument", run.grads, reference.grads),
     ):
+        if what != "output" and (run.backward_refused or reference.backward_refused):
+            continue
         assert_equal_values(len(got), len(want), what=f"number of {what}s on rank {rank}")
         for number, (leaf, expected) in enumerate(zip(got, want, strict=True)):
             who = f"{what} {number} of {case.op} on rank {rank}"

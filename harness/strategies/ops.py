@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
+from typing import Any
 
 from hypothesis import strategies as st
 
 from harness.cases.ops import OpInfoCase, TensorArgument
 from harness.errors import require
-from harness.strategies._common import Lacks, sampled, takes_world_size
+from harness.strategies._common import Lacks, mix, sampled, takes_world_size
 from harness.strategies.meshes import mesh_cases
-from harness.strategies.placements import placements
-from specs.placements import REDUCE_OPS
+from specs.placements import REDUCE_OPS, Partial, Placement, Replicate, Shard
 
 SampleArguments = tuple[tuple[TensorArgument, ...], ...]
 """Per sample of an OpInfo in one dtype, its tensor arguments."""
@@ -42,7 +43,7 @@ def opinfo_cases(
     arguments, asked for the drawn dtype only: making samples takes time), on a mesh built
     some way of ``world_size`` ranks, each tensor argument with placements of its own:
     Replicate, Shard of any dim (spelled from the front or the back), or, for finite
-    floating values, Partial of any reduce op; with a backward pass when the dtype is one of
+    floating values, Partial of any reduce op; backward too when the dtype is one of
     ``differentiable``. The first dtype must have a usable sample (``usable_samples``); a
     later one without any falls back to it."""
     require(bool(dtypes), "dtypes", dtypes, "at least one dtype")
@@ -56,9 +57,9 @@ def opinfo_cases(
     tensors = arguments(dtype)[index]
     mesh = draw(mesh_cases(world_size, lacks=lacks))
     layouts = tuple(
-        draw(placements(len(mesh.shape), len(a.shape), reduce_ops=_reduce_ops(a))) for a in tensors
+        draw(_layouts(len(mesh.shape), len(a.shape), a.may_be_partial)) for a in tensors
     )
-    backward = dtype in differentiable and draw(st.booleans())
+    backward = dtype in differentiable
     return OpInfoCase(
         op=op,
         dtype=dtype,
@@ -71,5 +72,28 @@ def opinfo_cases(
     )
 
 
-def _reduce_ops(argument: TensorArgument) -> tuple[str, ...]:
-    return REDUCE_OPS if argument.may_be_partial else ()
+@cache
+def _layouts(
+    mesh_ndim: int, tensor_ndim: int, may_be_partial: bool
+) -> st.SearchStrategy[tuple[Placement, ...]]:
+    """Placements of one tensor: per mesh axis Replicate, a Shard of any dim (from the front
+    or the back) or, where allowed, the Partial of the tensor's reduce op. A rule's Partial
+    inputs are its least exercised (and most often wrong) part: a Partial axis is drawn as
+    often as a sharded one."""
+    shards = [Shard(d) for d in range(tensor_ndim)] + [
+        Shard(d - tensor_ndim) for d in range(tensor_ndim)
+    ]
+    ops = REDUCE_OPS if may_be_partial else ()
+    return (sampled(ops) if ops else st.none()).flatmap(
+        lambda op: st.tuples(*[_axis(tuple(shards), op)] * mesh_ndim)
+    )
+
+
+@cache
+def _axis(shards: tuple[Placement, ...], op: str | None) -> st.SearchStrategy[Placement]:
+    choices: list[tuple[int, st.SearchStrategy[Any]]] = [(1, st.just(Replicate()))]
+    if shards:
+        choices.append((2, sampled(shards)))
+    if op is not None:
+        choices.append((2, st.just(Partial(op))))
+    return mix(*choices)

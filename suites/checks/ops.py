@@ -2,9 +2,10 @@
 
 Every tensor argument of the sample becomes a DTensor built from the pieces its placements
 give each rank (``DTensor.from_local``: the layout is the case's, whatever
-``distribute_tensor`` would do). An exception of the op or its backward is re-raised as
-``OpRefused``: raised alike on every rank it is a refusal (the op has no rule for the layout,
-or refuses it), which the test records as coverage; on some ranks only it is a deviation.
+``distribute_tensor`` would do). An exception of the op is re-raised as ``OpRefused``:
+raised alike on every rank it is a refusal (the op has no rule for the layout, or refuses
+it), which the test records as coverage; on some ranks only it is a deviation. An exception
+of the backward pass is returned with the forward's results, to be judged the same way.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class OpRun:
     grads: tuple[Leaf, ...]
     grad_outputs: int
     """How many outputs the backward pass started from (0: no backward)."""
+    backward_refused: str = ""
+    """The exception of a backward pass that raised (the forward's results still stand)."""
 
 
 def global_inputs(case: OpInfoCase, device: torch.device) -> list[torch.Tensor]:
@@ -126,7 +129,9 @@ def _run(case: OpInfoCase, inputs: list[torch.Tensor], viewed: Any) -> OpRun:
             )
         )
     except Exception as error:
-        raise OpRefused(f"backward: {type(error).__name__}: {error}") from error
+        # Kept, not raised: the forward's results are still compared. Where only some ranks
+        # raise, their peers wait in a collective until the deadline: a failure all the same.
+        return OpRun(outputs, (), 0, backward_refused=f"{type(error).__name__}: {error}")
     # one entry per tensor argument, None for those that need no gradient
     per_argument = [next(grads) if t.requires_grad else None for t in inputs]
     return OpRun(outputs, tuple(_leaf(viewed(g)) for g in per_argument), len(started))
