@@ -15,8 +15,10 @@ A results file is one JSON object per line, each with a ``kind``:
   names the test that was running when the session died.
 - ``test`` (one per test outcome): the fields of ``TestRecord``.
 - ``end`` (last, only when the session finished): ``finished``, ``duration``, ``exitstatus``
-  (pytest's), when the session was interrupted, ``interrupted`` (why) and, on the torchrun
-  runner, ``refused_connections`` (how many its driver's listener refused).
+  (pytest's), when the session was interrupted, ``interrupted`` (why), on the torchrun
+  runner, ``refused_connections`` (how many its driver's listener refused) and, in a run's
+  main file when xdist's workers ran its tests, ``workers`` (how many: each recorded its
+  tests in a file of its own beside it, ``results.gwN.jsonl``).
 - ``killed`` (after the last, written by ``harness run``, never by pytest): the session's
   processes were killed because the test ``nodeid`` had run ``seconds``, past the
   ``test_timeout`` and the ``grace`` that follows it (``harness.forked``).

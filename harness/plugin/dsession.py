@@ -56,7 +56,7 @@ class DistconfSession:
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         self.worlds.close()
         if self.writer is not None:
-            ending = self.worlds.end_fields()
+            ending = self.worlds.end_fields() | recording.end_fields(self.config)
             self.writer.close(exitstatus=int(exitstatus), interrupted=self.interrupted, **ending)
 
     def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
