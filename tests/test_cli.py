@@ -1,13 +1,20 @@
 """The command line as a user meets it: a run's main results file reported with its
-workers' files."""
+workers' files, and help that speaks to users."""
 
 from __future__ import annotations
 
+import argparse
+import shlex
 import shutil
 from pathlib import Path
 
+import pytest
+
 from harness import cli
+from harness.config import available_suites
 from harness.outcome.results import ResultsWriter, TestRecord, environment_stamp
+
+COMMANDS = ("run", "list", "report", "expectations", "mutate", "bench")
 
 
 def _run_of_two_workers(out: Path, run_id: str = "mine") -> Path:
@@ -51,3 +58,59 @@ def test_a_main_file_without_its_workers_files_never_says_nothing_ran(tmp_path, 
     assert f"no test records in {alone}: it is the main results file of a run whose 2 " in error
     assert "name the workers' files too, or the directory holding them all" in error
     assert not (tmp_path / "r.html").exists()
+
+
+def test_help_says_what_each_command_does_for_a_user_with_an_example(capsys):
+    """Row 2: ``--help`` as git or pytest print theirs, not the module's docstring."""
+    with pytest.raises(SystemExit) as ended:
+        cli.main(["--help"])
+    assert ended.value.code == 0
+    text = capsys.readouterr().out
+    for contributors_words in ("dispatch", "harness.session", "``", "render_report"):
+        assert contributors_words not in text
+    listed = text.split("commands:\n", 1)[1].split("\n\n", 1)[0]
+    assert [line.split()[0] for line in listed.splitlines()] == list(COMMANDS)
+    for name in COMMANDS:
+        assert f"\n  python -m harness {name}" in text, f"no example of {name}"
+    assert "'python -m harness COMMAND --help'" in text
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_each_commands_help_says_what_it_does_and_its_example_parses(name, capsys):
+    with pytest.raises(SystemExit):
+        cli.main([name, "--help"])
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: python -m harness {name} ")
+    example = text.split("examples:\n", 1)[1].splitlines()[0].strip()
+    words = shlex.split(example)
+    assert words[:4] == ["python", "-m", "harness", name]
+    assert cli._parser().parse_args(words[3:]).command == name
+
+
+def _options(name: str) -> list[argparse.Action]:
+    subparsers = next(
+        a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction)
+    )
+    parser = subparsers.choices[name]
+    return [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_option_has_a_help_line_with_its_default_and_choices(name):
+    """Row 3 (``run --help``; every other command's options too). ``run``'s options had
+    help lines already but --suite, --seed and --junit; this pins them all."""
+    for action in _options(name):
+        spelled = "/".join(action.option_strings) or action.dest
+        assert action.help, f"{name} {spelled} has no help line"
+        takes_a_value = action.option_strings and action.nargs != 0
+        if takes_a_value:
+            assert "default" in action.help, f"{name} {spelled} does not say its default"
+        for choice in action.choices or ():
+            assert str(choice) in action.help, f"{name} {spelled} does not name {choice}"
+
+
+def test_run_names_every_suite_in_the_help_of_suite():
+    (suite,) = [a for a in _options("run") if "--suite" in a.option_strings]
+    assert suite.help is not None
+    for name in available_suites():
+        assert name in suite.help
