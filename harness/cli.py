@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
@@ -46,6 +47,9 @@ from harness.profiles import PROFILES, describe_profiles
 from harness.runners import RUNNERS
 
 USAGE_ERROR = 4
+BROKEN_PIPE = 128 + signal.SIGPIPE
+"""The exit code of a command whose reader left (``| head``): a shell's for a tool SIGPIPE
+ended."""
 _REFUSED = (InvalidArgument, FaultError, ReportError, CatalogueError, ExpectationError)
 """Errors in what the user gave (options, fault files, results, catalogue): a usage error."""
 
@@ -477,6 +481,20 @@ def _usable_cpus() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line's exit code; quiet, as a Unix tool, when the reader of its output
+    went away (``python -m harness list | head``)."""
+    try:
+        code = _dispatch(argv)
+    except BrokenPipeError:
+        return _reader_left()
+    except SystemExit:  # argparse's --help and usage errors: what they printed is flushed here
+        if not _flushed():
+            return _reader_left()
+        raise
+    return code if _flushed() else _reader_left()
+
+
+def _dispatch(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
@@ -484,3 +502,23 @@ def main(argv: list[str] | None = None) -> int:
     except _REFUSED as exc:
         print(f"error: {exc}", file=sys.stderr)
     return USAGE_ERROR
+
+
+def _flushed() -> bool:
+    """Flush stdout now, where a reader that left is heard, not at the interpreter's exit;
+    whether its reader was still there."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return False
+    return True
+
+
+def _reader_left() -> int:
+    """End quietly: stdout's reader is gone. What is still buffered goes to /dev/null (the
+    interpreter's flush at exit would report the pipe once more), and the exit code is the
+    one a shell gives a tool SIGPIPE ended."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return BROKEN_PIPE

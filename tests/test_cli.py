@@ -1,11 +1,14 @@
 """The command line as a user meets it: a run's main results file reported with its
-workers' files, and help that speaks to users."""
+workers' files, help that speaks to users, and quiet when its reader leaves (``| head``)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ from harness import cli
 from harness.config import available_suites
 from harness.outcome.results import ResultsWriter, TestRecord, environment_stamp
 
+ROOT = Path(__file__).resolve().parent.parent
 COMMANDS = ("run", "list", "report", "expectations", "mutate", "bench")
 
 
@@ -114,3 +118,40 @@ def test_run_names_every_suite_in_the_help_of_suite():
     assert suite.help is not None
     for name in available_suites():
         assert name in suite.help
+
+
+def _with_its_reader_gone(*arguments: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``python -m harness ARGUMENTS`` writing to a pipe whose reader has already left, as
+    ``| head`` leaves once it has its lines."""
+    reading, writing = os.pipe()
+    os.close(reading)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "harness", *arguments],
+            stdout=writing, stderr=subprocess.PIPE, text=True, cwd=cwd, timeout=300,
+            env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False,
+        )  # fmt: skip
+    finally:
+        os.close(writing)
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        ("list",),
+        ("--help",),
+        ("report", "{main}", "-o", "{tmp}/r.html"),
+        ("expectations", "check", "{main}"),
+    ],
+    ids=["list", "help", "report", "expectations"],
+)
+def test_a_reader_that_left_ends_the_command_quietly(arguments, tmp_path):
+    """Row 4: no BrokenPipeError traceback; the exit code a shell gives a tool SIGPIPE
+    ended (``bench`` prints through the same ``main``). ``--help`` was quiet already: pinned."""
+    main = _run_of_two_workers(tmp_path / "out")
+    given = [a.format(main=main, tmp=tmp_path) for a in arguments]
+    done = _with_its_reader_gone(*given, cwd=tmp_path)
+    assert done.stderr == ""
+    # argparse's --help swallows the failed write itself and exits 0: quiet all the same
+    assert done.returncode == (0 if arguments == ("--help",) else cli.BROKEN_PIPE)
+    assert cli.BROKEN_PIPE == 141
