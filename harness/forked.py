@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.outcome import results
+from harness.outcome import noise, results
 
 _INTERNAL_ERROR = 3
 """pytest's exit code for an internal error: the child's, should ``pytest.main`` raise."""
@@ -58,16 +58,24 @@ ORPHAN_GRACE = 60.0
 """Seconds an orphaned run (``harness run`` killed outright) has to end once interrupted,
 before what is left of it is killed."""
 _POLL = 0.2
+DRAIN = 5.0
+"""Seconds to wait, once the child's group ended, for the last of what it wrote to stderr."""
 RESULTS_GLOB = "results*.jsonl"
 SignalHandler = Callable[[int, Any], Any] | int | None
 
 
 def run_pytest(
-    arguments: Sequence[str], *, results_dir: Path | None = None, test_timeout: float = 0.0
+    arguments: Sequence[str],
+    *,
+    results_dir: Path | None = None,
+    test_timeout: float = 0.0,
+    sift: noise.LineFilter | None = None,
 ) -> int:
     """``pytest.main(arguments)`` in a forked child; its exit code (negative: the signal that
     ended it). With ``results_dir`` and a ``test_timeout`` (0: none), a test that runs past it
-    and ``KILL_GRACE`` in the results files there ends the child's process group."""
+    and ``KILL_GRACE`` in the results files there ends the child's process group. With
+    ``sift``, what the child's processes write to stderr passes through it: torch's known
+    noise is counted there, and the rest goes on to this process's stderr."""
     import pytest
 
     deadline = None
@@ -78,16 +86,62 @@ def run_pytest(
         sys.stdout.flush()
         sys.stderr.flush()
         parent = os.getpid()
-        child = os.fork()
-        if child == 0:
-            _run_child(lambda: int(pytest.main(list(arguments))), parent, temporary)
-        with contextlib.suppress(OSError):  # the child may already have done it, or exited
-            os.setpgid(child, child)
-        with _forwarding_signals(child), _terminal_given_to(child):
-            status = _wait(child, deadline)
+        with _stderr_through(sift) as stderr:
+            child = os.fork()
+            if child == 0:
+                if stderr.writing is not None:
+                    os.dup2(stderr.writing, 2)
+                    stderr.close()
+                _run_child(lambda: int(pytest.main(list(arguments))), parent, temporary)
+            stderr.close()
+            with contextlib.suppress(OSError):  # the child may already have done it, or exited
+                os.setpgid(child, child)
+            with _forwarding_signals(child), _terminal_given_to(child):
+                status = _wait(child, deadline)
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
     return os.waitstatus_to_exitcode(status)
+
+
+@dataclass
+class _Pipe:
+    """The write end of the pipe the child's stderr goes to, until this process closes its
+    copy (once the child was forked: the pipe ends when the child's processes do)."""
+
+    writing: int | None
+
+    def close(self) -> None:
+        if self.writing is not None:
+            os.close(self.writing)
+            self.writing = None
+
+
+@contextlib.contextmanager
+def _stderr_through(sift: noise.LineFilter | None) -> Iterator[_Pipe]:
+    """A pipe (none without ``sift``) whose lines a thread passes on to this process's
+    stderr, but those ``sift`` calls known noise; once the block ended, the thread has read
+    everything the child's processes wrote, or ``DRAIN`` seconds passed (a process that left
+    the child's group may hold the pipe open)."""
+    if sift is None:
+        yield _Pipe(None)
+        return
+    reading, writing = os.pipe()
+    pipe = _Pipe(writing)
+    pump = threading.Thread(target=_pass_on, args=(reading, sift), daemon=True)
+    pump.start()
+    try:
+        yield pipe
+    finally:
+        pipe.close()
+        pump.join(DRAIN)
+
+
+def _pass_on(reading: int, sift: noise.LineFilter) -> None:
+    with os.fdopen(reading, "rb") as pipe:
+        for line in pipe:
+            if sift.passed(line.decode("utf-8", errors="replace").rstrip("\r\n")):
+                with contextlib.suppress(OSError):
+                    os.write(2, line)
 
 
 def _run_child(main: Callable[[], int], parent: int, temporary: str) -> None:

@@ -113,6 +113,8 @@ class SourceFile:
     """Tests that started and recorded no outcome: the session died running them."""
     schema_problem: str | None = None
     """No header, or a schema this distconf does not read: its records may mean otherwise."""
+    noise: tuple[Mapping[str, Any], ...] = ()
+    """torch's known noise kept off the run's console: its ``noise`` records."""
 
 
 @dataclass(frozen=True)
@@ -317,6 +319,7 @@ def load(paths: Sequence[Path]) -> Loaded:
             replaced_bytes=results.replaced_bytes,
             unfinished=tuple(results.unfinished),
             schema_problem=results.schema_problem,
+            noise=tuple(results.noise),
         )
         files.append(source)
         warnings += _file_warnings(source)
