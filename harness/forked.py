@@ -19,6 +19,10 @@ written: when a test has run ``test_timeout`` + ``KILL_GRACE`` seconds, it kills
 process group and appends a ``killed`` record to that test's results file, which the verdict
 reads ("crashed while running X", and why).
 
+Stderr: given a ``noise.LineFilter``, what the child and every process it starts write to
+stderr goes through a pipe this process reads, line by line, passing on to its own stderr
+every line but torch's known noise, which the filter counts (``harness.outcome.noise``).
+
 Temporary files: the child, and every process it starts (xdist workers, multiprocessing's
 fork server, rank processes, torchrun), has a directory of the run's own as its temporary
 directory (``TMPDIR``). Once the child ended, however it ended, this process kills what is
