@@ -14,8 +14,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
+import textwrap
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -27,6 +30,7 @@ from harness.config import (
     TORCHRUN_OPTIONS,
     RunConfig,
     as_option,
+    available_suites,
     from_options,
     split_names,
 )
@@ -39,10 +43,13 @@ from harness.errors import (
     check_int,
 )
 from harness.outcome import outputs
-from harness.profiles import PROFILES
+from harness.profiles import PROFILES, describe_profiles
 from harness.runners import RUNNERS
 
 USAGE_ERROR = 4
+BROKEN_PIPE = 128 + signal.SIGPIPE
+"""The exit code of a command whose reader left (``| head``): a shell's for a tool SIGPIPE
+ended."""
 _REFUSED = (InvalidArgument, FaultError, ReportError, CatalogueError, ExpectationError)
 """Errors in what the user gave (options, fault files, results, catalogue): a usage error."""
 
@@ -147,12 +154,106 @@ def _bench(args: argparse.Namespace) -> int:
     )
 
 
+@dataclass(frozen=True)
+class _Command:
+    """A command as its user meets it in ``--help``: what it does, and an example."""
+
+    summary: str
+    """One line, in the list of commands."""
+    description: str
+    """Its own ``--help``: what it does, what it writes."""
+    example: str
+    example_says: str
+
+
+_PROG = "python -m harness"
+_WIDTH = 88
+"""Where the help's own paragraphs wrap (argparse wraps the options' help to the terminal)."""
+_ABOUT = textwrap.fill(
+    "distconf checks that PyTorch's distributed training stack computes what one device "
+    "computes: DTensor placements and programs, uneven shards, fully_shard (FSDP2), HSDP, "
+    "tensor parallelism, ZeRO, optimizers, state dicts and DCP checkpoints, on cases "
+    "Hypothesis draws, with ranks as threads, processes (gloo, nccl, ...), torchrun's, or "
+    "simulated.",
+    width=_WIDTH,
+)
+_COMMANDS = {
+    "run": _Command(
+        "run the conformance suites: a row per spec, the verdict, results and an HTML report",
+        "Runs the suites (every one unless --suite names some) at each world size, prints a "
+        "row per spec and the run's verdict, and writes the results (results*.jsonl) and "
+        "report.html to --out. The exit code is the verdict's: 0 pass, 1 fail, 2 "
+        "interrupted, 3 crashed or partial, 4 a refused option, 5 nothing checked, 6 a known "
+        "deviation changed, 7 one fixed, 8 one not verified on this torch.",
+        f"{_PROG} run --suite placements --world-sizes 1,2 --profile dev",
+        "DTensor placements at 1 and 2 ranks, 10 examples a property",
+    ),
+    "list": _Command(
+        "print the spec catalogue: every requirement the suites check",
+        "Prints the spec catalogue: each requirement's ID, its suite and what it states.",
+        f"{_PROG} list",
+        "the catalogue",
+    ),
+    "report": _Command(
+        "render a run's results as one HTML page, compared with another run's if given",
+        "Renders the results of a run (its directory, its results.jsonl, or results*.jsonl "
+        "files) as one self-contained HTML page; --baseline compares it with another run.",
+        f"{_PROG} report reports/latest/results.jsonl -o report.html",
+        "the report of the last run",
+    ),
+    "expectations": _Command(
+        "what a run says of each known deviation of torch; record a review",
+        "check: lists what a run says of each known deviation (specs/expectations/*.toml): "
+        "still there, fixed, not verified on its torch. update: records it in those files.",
+        f"{_PROG} expectations check reports/latest",
+        "the known deviations the last run met",
+    ),
+    "mutate": _Command(
+        "score the suites: one run per injected fault of torch, and which the suites caught",
+        "Runs the suites once clean and once per fault injected into torch's distributed "
+        "stack (harness/faults), stopping each at its first failure; prints the score and "
+        "writes mutation.json and report.html to --out.",
+        f"{_PROG} mutate --faults uneven.padding_leaks --suite uneven --world-sizes 2,3",
+        "is one fault caught?",
+    ),
+    "bench": _Command(
+        "print benchmark figures: examples/s, world.run against spawn-per-check, soak",
+        "Prints benchmark figures: examples a second per property and runner (properties), "
+        "the cost of a world.run call against a spawn per check (overhead), and calls with "
+        "failures injected (soak).",
+        f"{_PROG} bench properties --examples 50",
+        "examples/s, 50 examples a property",
+    ),
+}
+
+
+def _examples(commands: dict[str, _Command]) -> str:
+    lines = [f"  {c.example}\n      {c.example_says}" for c in commands.values()]
+    return "examples:\n" + "\n".join(lines)
+
+
+def _listed(commands: dict[str, _Command]) -> str:
+    width = max(map(len, commands))
+    return "commands:\n" + "\n".join(
+        f"  {name:<{width}}  {command.summary}" for name, command in commands.items()
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m harness", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="run the conformance suites")
+    parser = _Parser(
+        prog=_PROG,
+        usage=f"{_PROG} [-h] COMMAND [OPTIONS]",
+        description=f"{_ABOUT}\n\n{_listed(_COMMANDS)}",
+        epilog=f"{_examples(_COMMANDS)}\n\n'{_PROG} COMMAND --help' gives a command's options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    # Listed in the description, in the user's words: argparse's own list would say it again.
+    commands = parser.add_subparsers(dest="command", required=True, help=argparse.SUPPRESS)
+    run = _add_command(commands, "run")
     _add_run_options(run, out=DEFAULTS.out)
-    run.add_argument("--junit", default=None, help="also write JUnit XML here (CI annotations)")
+    run.add_argument(
+        "--junit", default=None, help="also write JUnit XML here, for CI (default: none)"
+    )
     run.add_argument(
         "--reach",
         action="store_true",
@@ -166,9 +267,11 @@ def _parser() -> argparse.ArgumentParser:
         f"{_usable_cpus()}, and 1 on the torchrun runner; 1: one process; a -n among the "
         "pytest arguments wins)",
     )
-    run.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
+    run.add_argument(
+        "pytest_args", nargs="*", help="more pytest arguments, after -- (-k EXPR, -x, ...)"
+    )
     run.set_defaults(handler=_run)
-    listing = commands.add_parser("list", help="print the spec catalogue")
+    listing = _add_command(commands, "list")
     listing.add_argument(
         "--catalogue", default=None, help="catalogue file (default: the packaged one)"
     )
@@ -181,11 +284,29 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_command(commands: Any, name: str) -> argparse.ArgumentParser:
+    """The parser of the command ``name``, its help in a user's words (``_COMMANDS``)."""
+    command = _COMMANDS[name]
+    parser: argparse.ArgumentParser = commands.add_parser(
+        name,
+        prog=f"{_PROG} {name}",
+        description=textwrap.fill(command.description, width=_WIDTH),
+        epilog=_examples({name: command}),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    return parser
+
+
 def _add_run_options(parser: argparse.ArgumentParser, *, out: Path) -> None:
     """The options of a run (``RunConfig``): those the plugin takes too from
     ``config.RUN_OPTIONS`` and ``TORCHRUN_OPTIONS``; every default taken from ``DEFAULTS``."""
     parser.add_argument(
-        "--suite", action="append", default=[], help="suite name (repeatable or comma-separated)"
+        "--suite",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help=f"a suite to run, one of {', '.join(available_suites())} (repeatable or "
+        "comma-separated; default: every suite)",
     )
     for option in RUN_OPTIONS:
         parser.add_argument(option.spelling, **option.keywords())
@@ -193,9 +314,16 @@ def _add_run_options(parser: argparse.ArgumentParser, *, out: Path) -> None:
         "--profile",
         choices=PROFILES,
         default=DEFAULTS.profile,
-        help=f"hypothesis profile (default: {DEFAULTS.profile})",
+        help=f"how many examples Hypothesis draws a property: {describe_profiles()} (default: "
+        f"{DEFAULTS.profile})",
     )
-    parser.add_argument("--seed", type=int, default=None, help="hypothesis seed")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="Hypothesis' seed, to repeat a run (default: none; a random profile draws one and "
+        "prints it)",
+    )
     parser.add_argument(
         "--test-timeout",
         type=float,
@@ -203,31 +331,47 @@ def _add_run_options(parser: argparse.ArgumentParser, *, out: Path) -> None:
         help="seconds one test may take in the driver, a backstop for a hang outside the ranks "
         f"(0: none; default: {DEFAULTS.test_timeout:g})",
     )
-    parser.add_argument("--out", default=str(out), help=f"output directory (default: {out})")
+    parser.add_argument(
+        "--out",
+        default=str(out),
+        help=f"where the results files and report.html go; an earlier run's there are moved to "
+        f"OUT/earlier/ (default: {out})",
+    )
     torchrun = parser.add_argument_group("torchrun runner (README: Several machines)")
     for option in TORCHRUN_OPTIONS:
         torchrun.add_argument(option.spelling, **option.keywords())
 
 
 def _add_report(commands: Any) -> None:
-    report = commands.add_parser("report", help="render results as a self-contained HTML page")
-    report.add_argument("results", nargs="+", help="results files (or directories of them)")
-    report.add_argument("-o", "--output", default=os.path.join("reports", "report.html"))
+    report = _add_command(commands, "report")
     report.add_argument(
-        "--baseline", action="append", default=[], help="results of another run to compare with"
+        "results",
+        nargs="+",
+        help="a run's results: its directory, its results.jsonl (its workers' files beside it "
+        "come with it), or results*.jsonl files",
+    )
+    output = os.path.join("reports", "report.html")
+    report.add_argument(
+        "-o", "--output", default=output, help=f"the HTML file to write (default: {output})"
+    )
+    report.add_argument(
+        "--baseline",
+        action="append",
+        default=[],
+        help="results of another run to compare with, as RESULTS (repeatable; default: none)",
     )
     report.add_argument(
         "--match",
         choices=("auto", "exact", "spec"),
         default="auto",
         help="pair baseline records by spec+runner+device+world size (exact), by spec+world "
-        "size (spec, for thread vs process or CPU vs CUDA runs), or pick (auto)",
+        "size (spec, for thread vs process or CPU vs CUDA runs), or pick (auto; the default)",
     )
     report.add_argument("--catalogue", default=None, help="catalogue file (default: packaged)")
     report.add_argument(
         "--mutation",
         default=None,
-        help="a mutation.json of `mutate`: adds the fault table",
+        help="a mutation.json of `mutate`: adds the fault table (default: none)",
     )
     report.set_defaults(handler=_report)
 
@@ -245,17 +389,22 @@ def _expectations(args: argparse.Namespace) -> int:
 
 
 def _add_expectations(commands: Any) -> None:
-    parser = commands.add_parser(
-        "expectations", help="what a run says about each known deviation; record a review"
-    )
+    parser = _add_command(commands, "expectations")
     parser.add_argument(
         "action",
         choices=("check", "update"),
         help="check: list what the run says about each expectation; update: record a review",
     )
-    parser.add_argument("results", nargs="+", help="results files (or directories of them)")
     parser.add_argument(
-        "--expectations", default=None, help="directory of *.toml (default: specs/expectations)"
+        "results",
+        nargs="+",
+        help="a run's results: its directory, its results.jsonl (its workers' files beside it "
+        "come with it), or results*.jsonl files",
+    )
+    parser.add_argument(
+        "--expectations",
+        default=None,
+        help="the directory of known-deviation *.toml files (default: specs/expectations)",
     )
     parser.add_argument(
         "--verified",
@@ -272,9 +421,7 @@ def _add_expectations(commands: Any) -> None:
 
 
 def _add_mutate(commands: Any) -> None:
-    mutate = commands.add_parser(
-        "mutate", help="score the suites against injected faults (clean run, then one per fault)"
-    )
+    mutate = _add_command(commands, "mutate")
     mutate.add_argument(
         "--faults", action="append", default=[], help="fault IDs (default: the whole catalogue)"
     )
@@ -284,7 +431,7 @@ def _add_mutate(commands: Any) -> None:
         action="append",
         default=[],
         help="a Python file defining FAULTS = (harness.faults.Fault, ...): adds its faults to "
-        "the catalogue (repeatable)",
+        "the catalogue (repeatable; default: none)",
     )
     _add_run_options(mutate, out=MUTATE_OUT)
     mutate.add_argument(
@@ -297,13 +444,14 @@ def _add_mutate(commands: Any) -> None:
 
 
 def _add_bench(commands: Any) -> None:
-    bench = commands.add_parser("bench", help="print benchmark figures")
+    bench = _add_command(commands, "bench")
     bench.add_argument(
         "what",
         nargs="?",
         choices=("properties", "overhead", "all", "soak"),
         default="all",
-        help="all: properties and overhead; soak: failure injection (not in all)",
+        help="properties: examples/s per property; overhead: world.run against spawn-per-check; "
+        "soak: calls with failures injected; all (the default): properties and overhead",
     )
     bench.add_argument(
         "--runner",
@@ -313,12 +461,21 @@ def _add_bench(commands: Any) -> None:
         "and processes; local has no soak); overhead times every runner, torchrun's at world "
         "size 4",
     )
-    bench.add_argument("--world-size", type=int, default=4, help="for properties and soak")
-    bench.add_argument("--examples", type=int, default=300, help="examples per property")
     bench.add_argument(
-        "--calls", type=int, default=None, help="world.run calls per row (overhead 300, soak 2000)"
+        "--world-size", type=int, default=4, help="for properties and soak (default: 4)"
     )
-    bench.add_argument("--trials", type=int, default=2, help="spawn-per-check trials per row")
+    bench.add_argument(
+        "--examples", type=int, default=300, help="examples per property (default: 300)"
+    )
+    bench.add_argument(
+        "--calls",
+        type=int,
+        default=None,
+        help="world.run calls per row (default: overhead 300, soak 2000)",
+    )
+    bench.add_argument(
+        "--trials", type=int, default=2, help="spawn-per-check trials per row (default: 2)"
+    )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(handler=_bench)
 
@@ -347,6 +504,20 @@ def _usable_cpus() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line's exit code; quiet, as a Unix tool, when the reader of its output
+    went away (``python -m harness list | head``)."""
+    try:
+        code = _dispatch(argv)
+    except BrokenPipeError:
+        return _reader_left()
+    except SystemExit:  # argparse's --help and usage errors: what they printed is flushed here
+        if not _flushed():
+            return _reader_left()
+        raise
+    return code if _flushed() else _reader_left()
+
+
+def _dispatch(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
@@ -354,3 +525,23 @@ def main(argv: list[str] | None = None) -> int:
     except _REFUSED as exc:
         print(f"error: {exc}", file=sys.stderr)
     return USAGE_ERROR
+
+
+def _flushed() -> bool:
+    """Flush stdout now, where a reader that left is heard, not at the interpreter's exit;
+    whether its reader was still there."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return False
+    return True
+
+
+def _reader_left() -> int:
+    """End quietly: stdout's reader is gone. What is still buffered goes to /dev/null (the
+    interpreter's flush at exit would report the pipe once more), and the exit code is the
+    one a shell gives a tool SIGPIPE ended."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return BROKEN_PIPE

@@ -415,7 +415,7 @@ RUN_OPTIONS = (
         repeated=True,
         metavar="MODULE",
         help="a module imported in the driver and in every rank before the process group is "
-        "made, to register a backend or device (repeatable or comma-separated)",
+        "made, to register a backend or device (repeatable or comma-separated; default: none)",
     ),
     RunOption(
         field="rank_timeout",

@@ -19,6 +19,10 @@ written: when a test has run ``test_timeout`` + ``KILL_GRACE`` seconds, it kills
 process group and appends a ``killed`` record to that test's results file, which the verdict
 reads ("crashed while running X", and why).
 
+Stderr: given a ``noise.LineFilter``, what the child and every process it starts write to
+stderr goes through a pipe this process reads, line by line, passing on to its own stderr
+every line but torch's known noise, which the filter counts (``harness.outcome.noise``).
+
 Temporary files: the child, and every process it starts (xdist workers, multiprocessing's
 fork server, rank processes, torchrun), has a directory of the run's own as its temporary
 directory (``TMPDIR``). Once the child ended, however it ended, this process kills what is
@@ -44,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.outcome import results
+from harness.outcome import noise, results
 
 _INTERNAL_ERROR = 3
 """pytest's exit code for an internal error: the child's, should ``pytest.main`` raise."""
@@ -58,6 +62,8 @@ ORPHAN_GRACE = 60.0
 """Seconds an orphaned run (``harness run`` killed outright) has to end once interrupted,
 before what is left of it is killed."""
 _POLL = 0.2
+DRAIN = 5.0
+"""Seconds to wait, once the child's group ended, for the last of what it wrote to stderr."""
 RESULTS_GLOB = "results*.jsonl"
 SignalHandler = Callable[[int, Any], Any] | int | None
 
@@ -68,11 +74,14 @@ def run_pytest(
     results_dir: Path | None = None,
     test_timeout: float = 0.0,
     environment: Mapping[str, str] | None = None,
+    sift: noise.LineFilter | None = None,
 ) -> int:
     """``pytest.main(arguments)`` in a forked child; its exit code (negative: the signal that
     ended it). With ``results_dir`` and a ``test_timeout`` (0: none), a test that runs past it
     and ``KILL_GRACE`` in the results files there ends the child's process group.
-    ``environment``: variables set in the child (and so in every process it starts)."""
+    ``environment``: variables set in the child (and so in every process it starts). With
+    ``sift``, what the child's processes write to stderr passes through it: torch's known
+    noise is counted there, and the rest goes on to this process's stderr."""
     import pytest
 
     deadline = None
@@ -83,18 +92,67 @@ def run_pytest(
         sys.stdout.flush()
         sys.stderr.flush()
         parent = os.getpid()
-        child = os.fork()
-        if child == 0:
-            _run_child(
-                lambda: int(pytest.main(list(arguments))), parent, temporary, environment or {}
-            )
-        with contextlib.suppress(OSError):  # the child may already have done it, or exited
-            os.setpgid(child, child)
-        with _forwarding_signals(child), _terminal_given_to(child):
-            status = _wait(child, deadline)
+        with _stderr_through(sift) as stderr:
+            child = os.fork()
+            if child == 0:
+                if stderr.writing is not None:
+                    os.dup2(stderr.writing, 2)
+                    stderr.close()
+                _run_child(
+                    lambda: int(pytest.main(list(arguments))),
+                    parent,
+                    temporary,
+                    environment or {},
+                )
+            stderr.close()
+            with contextlib.suppress(OSError):  # the child may already have done it, or exited
+                os.setpgid(child, child)
+            with _forwarding_signals(child), _terminal_given_to(child):
+                status = _wait(child, deadline)
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
     return os.waitstatus_to_exitcode(status)
+
+
+@dataclass
+class _Pipe:
+    """The write end of the pipe the child's stderr goes to, until this process closes its
+    copy (once the child was forked: the pipe ends when the child's processes do)."""
+
+    writing: int | None
+
+    def close(self) -> None:
+        if self.writing is not None:
+            os.close(self.writing)
+            self.writing = None
+
+
+@contextlib.contextmanager
+def _stderr_through(sift: noise.LineFilter | None) -> Iterator[_Pipe]:
+    """A pipe (none without ``sift``) whose lines a thread passes on to this process's
+    stderr, but those ``sift`` calls known noise; once the block ended, the thread has read
+    everything the child's processes wrote, or ``DRAIN`` seconds passed (a process that left
+    the child's group may hold the pipe open)."""
+    if sift is None:
+        yield _Pipe(None)
+        return
+    reading, writing = os.pipe()
+    pipe = _Pipe(writing)
+    pump = threading.Thread(target=_pass_on, args=(reading, sift), daemon=True)
+    pump.start()
+    try:
+        yield pipe
+    finally:
+        pipe.close()
+        pump.join(DRAIN)
+
+
+def _pass_on(reading: int, sift: noise.LineFilter) -> None:
+    with os.fdopen(reading, "rb") as pipe:
+        for line in pipe:
+            if sift.passed(line.decode("utf-8", errors="replace").rstrip("\r\n")):
+                with contextlib.suppress(OSError):
+                    os.write(2, line)
 
 
 def _run_child(

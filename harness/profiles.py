@@ -29,6 +29,16 @@ settings.register_profile(
 )
 
 
+def describe_profiles() -> str:
+    """Each profile in a few words, as ``--profile``'s help says it:
+    ``dev 10 examples, random; ...``."""
+    return "; ".join(
+        f"{name} {settings.get_profile(name).max_examples} examples, "
+        f"{'derandomized' if settings.get_profile(name).derandomize else 'random'}"
+        for name in PROFILES
+    )
+
+
 def needs_seed(profile: str) -> bool:
     """Whether a run under ``profile`` must draw (and record) a seed to be repeatable: the
     profile draws at random."""

@@ -19,8 +19,8 @@ from typing import Any
 from harness import catalogue, forked
 from harness.config import RunConfig, suite_paths
 from harness.errors import ReportError
-from harness.outcome import junit, outputs, triage, verdict
-from harness.outcome.results import SEVERITY, read_results
+from harness.outcome import junit, noise, outputs, triage, verdict
+from harness.outcome.results import SEVERITY, append_records, read_results
 from harness.outcome.verdict import RunVerdict
 from harness.profiles import needs_seed
 from harness.torchkit import reach
@@ -127,11 +127,13 @@ def run(config: RunConfig, *, extra: Sequence[str] = ()) -> int:
     with outputs.locked(config.out):
         config = with_seed(config)
         run_id = outputs.new_run_id()
+        sift = noise.LineFilter()
         exit_code = forked.run_pytest(
             pytest_arguments(config, extra=extra, run_id=run_id),
             results_dir=config.out,
             test_timeout=config.test_timeout,
             environment={reach.ENV_VAR: str(config.out / outputs.REACH)} if config.reach else {},
+            sift=sift,
         )
         files, others = outputs.results_of(config.out, run_id)
         if not files:
@@ -144,11 +146,22 @@ def run(config: RunConfig, *, extra: Sequence[str] = ()) -> int:
             return exit_code or 3
         for path in others:
             print(f"warning: {path} was written by another run: it is not read", file=sys.stderr)
-        judged = summarise(files)
+        _keep_noise(files, sift)
+        judged = summarise(files, say_verdict=False)
         if config.junit is not None:
             junit.add_verdict(config.junit, judged)
         report_code = write_report(files, config.out / outputs.REPORT)
+        say(judged)  # the last line of the run
     return judged.exit_code or exit_code or report_code
+
+
+def _keep_noise(files: list[Path], sift: noise.LineFilter) -> None:
+    """The stderr lines of torch's known noise the run's console was spared, counted in the
+    run's main results file (its controller's, which pytest has closed)."""
+    found = sift.records()
+    if found:
+        main = [path for path in files if not (outputs.header_of(path) or {}).get("worker")]
+        append_records((main or files)[0], found)
 
 
 def _print_triage(read: dict[Path, Any], tests: list[dict[str, Any]]) -> None:
@@ -178,8 +191,9 @@ def write_report(files: list[Path], html: Path, mutation_table: Path | None = No
     return 0
 
 
-def summarise(paths: list[Path]) -> RunVerdict:
-    """Print a row per spec (status per world size) and the run's verdict; return it."""
+def summarise(paths: list[Path], *, say_verdict: bool = True) -> RunVerdict:
+    """Print a row per spec (status per world size), torch's known noise kept off the
+    console and (``say_verdict``) the run's verdict; return it."""
     read = {path: read_results(path) for path in paths}
     tests = [record for results in read.values() for record in results.tests]
     rows: dict[str, dict[Any, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
@@ -213,9 +227,17 @@ def summarise(paths: list[Path]) -> RunVerdict:
     unexpected = sum(map(verdict.is_unexpected, tests))
     print(f"{unexpected} unexpected outcome(s)")
     _print_triage(read, tests)
+    quieted = noise.totals(record for results in read.values() for record in results.noise)
+    if quieted:
+        print(f"torch's known noise, kept off this console: {noise.describe(quieted)}")
     judged = verdict.of_results([(str(path), results) for path, results in read.items()])
-    print(f"verdict: {judged.kind}: {judged.text}")
+    if say_verdict:
+        say(judged)
     return judged
+
+
+def say(judged: RunVerdict) -> None:
+    print(f"verdict: {judged.kind}: {judged.text}", flush=True)
 
 
 def _worst_first(status: str) -> int:

@@ -39,6 +39,7 @@ BELOW_THE_ENGINE = (
     "harness.catalogue",
     "harness.outcome.expectations",
     "harness.outcome.triage",
+    "harness.outcome.noise",
     "harness.profiles",
     "harness.faults",
 )

@@ -11,18 +11,19 @@ import pytest
 
 from harness import cli, session
 from harness.outcome import junit
-from harness.outcome.results import ResultsWriter, TestRecord
+from harness.outcome.results import READS, SCHEMA, ResultsWriter, TestRecord
 from harness.report import render_report
 
 CATALOGUE = Path(__file__).resolve().parent / "fixtures" / "report" / "catalogue.toml"
-PROBLEM = "schema=4 is not one this distconf reads (1, 2, 3)"
+NEWER = SCHEMA + 1
+PROBLEM = f"schema={NEWER} is not one this distconf reads ({', '.join(map(str, READS))})"
 
 
 @pytest.fixture
 def newer(tmp_path: Path) -> Path:
-    """A finished run of one passing test, written by a distconf of schema 4."""
+    """A finished run of one passing test, written by a distconf of a newer schema."""
     path = tmp_path / "results.jsonl"
-    header = {"kind": "header", "schema": 4, "torch": "2.13.0+cpu", "started": "now"}
+    header = {"kind": "header", "schema": NEWER, "torch": "2.13.0+cpu", "started": "now"}
     writer = ResultsWriter(path, header)
     writer.write_start("t.py::a")
     record = TestRecord("t.py::a", "uneven.torch_chunk", "threads", 2, "cpu", "passed", 1.0)

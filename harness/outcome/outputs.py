@@ -10,7 +10,8 @@
   leaves a directory refused.
 - ``keep_earlier``: an earlier run's records, report and reach folder (``REACH``) moved to
   ``OUT/earlier/<its start>/``.
-- ``results_of``: the results files one run wrote, told apart by the ``run_id`` of their header.
+- ``results_of``: the results files one run wrote, told apart by the ``run_id`` of their header;
+  ``with_its_workers``: a run's main results file and its xdist workers' files beside it.
 - ``write_whole``: a file written all or nothing (a temp beside it, renamed over it).
 """
 
@@ -169,6 +170,24 @@ def results_of(out: Path, run_id: str) -> tuple[list[Path], list[Path]]:
         header = header_of(path) or {}
         (own if header.get("run_id") == run_id else other).append(path)
     return own, other
+
+
+def with_its_workers(path: Path) -> list[Path]:
+    """``path`` and, where it is a run's main results file (written by the process that is
+    no xdist worker, ``results.jsonl``), the files its workers wrote beside it
+    (``results.gwN.jsonl``, the same ``run_id``): the controller of a run over several
+    workers records none of the tests itself. A worker's file, or one without a ``run_id``,
+    stands alone."""
+    header = header_of(path) or {}
+    run_id = header.get("run_id")
+    if not run_id or header.get("worker"):
+        return [path]
+    workers = [
+        beside
+        for beside in sorted(path.parent.glob(RESULTS_GLOB))
+        if beside != path and (header_of(beside) or {}).get("run_id") == run_id
+    ]
+    return [path, *workers]
 
 
 def one_run_in(directory: Path, name: str) -> list[Path]:

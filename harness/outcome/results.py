@@ -15,8 +15,14 @@ A results file is one JSON object per line, each with a ``kind``:
   names the test that was running when the session died.
 - ``test`` (one per test outcome): the fields of ``TestRecord``.
 - ``end`` (last, only when the session finished): ``finished``, ``duration``, ``exitstatus``
-  (pytest's), when the session was interrupted, ``interrupted`` (why) and, on the torchrun
-  runner, ``refused_connections`` (how many its driver's listener refused).
+  (pytest's), when the session was interrupted, ``interrupted`` (why), on the torchrun
+  runner, ``refused_connections`` (how many its driver's listener refused) and, in a run's
+  main file when xdist's workers ran its tests, ``workers`` (how many: each recorded its
+  tests in a file of its own beside it, ``results.gwN.jsonl``).
+- ``noise`` (before the end record, and after it from ``harness run``): torch's known noise
+  kept off the run's console (``harness.outcome.noise``): ``what``, ``count``, ``example``
+  and ``source`` (``warnings``: Python warnings, counted by each pytest process;
+  ``stderr``: lines torch's C++ printed, counted by ``harness run`` in the run's main file).
 - ``killed`` (after the last, written by ``harness run``, never by pytest): the session's
   processes were killed because the test ``nodeid`` had run ``seconds``, past the
   ``test_timeout`` and the ``grace`` that follows it (``harness.forked``).
@@ -47,11 +53,12 @@ from typing import Any, TextIO
 
 from harness.errors import DistconfError, check_one_of, fail
 
-SCHEMA = 3
-"""3 added the header's ``run_id``, ``pid`` and ``worker``, ``killed`` records and the end
-record's ``refused_connections``; 2 added ``start`` records and the end record's
-``interrupted``. Every earlier schema is read as well."""
-READS = (1, 2, 3)
+SCHEMA = 4
+"""4 added ``noise`` records and the end record's ``workers``; 3 added the header's
+``run_id``, ``pid`` and ``worker``, ``killed`` records and the end record's
+``refused_connections``; 2 added ``start`` records and the end record's ``interrupted``.
+Every earlier schema is read as well."""
+READS = (1, 2, 3, 4)
 """The schemas this distconf reads."""
 STATUSES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed", "timeout", "crashed")
 SEVERITY = ("crashed", "timeout", "error", "failed", "xpassed", "xfailed", "skipped", "passed")
@@ -214,6 +221,10 @@ class ResultsWriter:
     def write_start(self, nodeid: str) -> None:
         self._write({"kind": "start", "nodeid": nodeid})
 
+    def write_noise(self, records: list[dict[str, object]]) -> None:
+        for record in records:
+            self._write({**record, "kind": "noise"})
+
     def close(self, **end: Any) -> None:
         if self._file is not None:
             finished = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -266,6 +277,8 @@ class Results:
     """The node IDs of the ``start`` records, in order."""
     killed: list[dict[str, Any]] = field(default_factory=list)
     """The ``killed`` records: ``harness run`` ended the session past a test's timeout."""
+    noise: list[dict[str, Any]] = field(default_factory=list)
+    """The ``noise`` records: torch's known noise kept off the run's console."""
 
     @property
     def unfinished(self) -> list[str]:
@@ -294,7 +307,8 @@ def read_results(path: Path) -> Results:
         text, replaced = raw.decode("utf-8"), False
     except UnicodeDecodeError:
         text, replaced = raw.decode("utf-8", errors="replace"), True
-    header, end, tests, bad, started, killed = None, None, [], [], [], []
+    header, end, tests, bad, started = None, None, [], [], []
+    others: dict[str, list[dict[str, Any]]] = {"killed": [], "noise": []}
     for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
@@ -312,16 +326,23 @@ def read_results(path: Path) -> Results:
             tests.append(record)
         elif kind == "start" and isinstance(record.get("nodeid"), str):
             started.append(record["nodeid"])
-        elif kind == "killed":
-            killed.append(record)
+        elif kind in others:
+            others[kind].append(record)
         else:
             bad.append(number)
-    return Results(header, tests, end, bad, replaced, started, killed)
+    return Results(header, tests, end, bad, replaced, started, **others)
 
 
 def record_kill(path: Path, **fields: Any) -> None:
     """Append a ``killed`` record to ``path`` (whose session's processes are gone)."""
+    append_records(path, [{"kind": "killed", **fields}])
+
+
+def append_records(path: Path, records: list[dict[str, Any]]) -> None:
+    """Append ``records`` to ``path``, whose session's processes are gone (``harness run``'s
+    own records: ``killed``, ``noise``)."""
     with path.open("a", encoding="utf-8") as handle:
-        handle.write(json.dumps({"kind": "killed", **fields}, default=str) + "\n")
+        for record in records:
+            handle.write(json.dumps(record, default=str) + "\n")
         handle.flush()
         os.fsync(handle.fileno())

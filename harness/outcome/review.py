@@ -32,7 +32,7 @@ from packaging.version import Version
 
 from harness.errors import ExpectationError, ReportError
 from harness.outcome import expectations, triage
-from harness.outcome.outputs import one_run_in
+from harness.outcome.outputs import one_run_in, with_its_workers
 from harness.outcome.results import Results, read_results
 
 _HEADER = "[[expect]]"
@@ -52,15 +52,17 @@ class Run:
 
 
 def read_run(paths: Sequence[Path]) -> Run:
-    """The records of ``paths`` (files, or directories of ``results*.jsonl``); one torch."""
+    """The records of ``paths`` (files, or directories of ``results*.jsonl``; a run's main
+    file brings its workers' files beside it); one torch."""
     files: list[Path] = []
     for path in paths:
-        found = one_run_in(path, "RESULTS") if path.is_dir() else [path]
+        found = one_run_in(path, "RESULTS") if path.is_dir() else with_its_workers(path)
         if not found or not all(f.is_file() for f in found):
             raise ReportError(
                 f"RESULTS={str(path)!r} must be a results file or a directory of them"
             )
         files += found
+    files = list(dict.fromkeys(files))  # a worker's file named beside its run's main file
     read: list[Results] = [read_results(f) for f in files]
     pairs = zip(files, read, strict=True)
     misread = [f"{str(f)!r}: {r.schema_problem}" for f, r in pairs if r.schema_problem]

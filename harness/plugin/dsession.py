@@ -19,6 +19,7 @@ from harness import forked
 from harness.config import RunConfig
 from harness.outcome.results import ResultsWriter
 from harness.plugin import collection, deviations, gpus, options, recording, scheduling, state
+from harness.plugin.torch_noise import WarningCounter
 from harness.plugin.worlds import SessionWorlds
 from harness.torchkit import reach
 
@@ -35,6 +36,7 @@ class DistconfSession:
         self.worlds = SessionWorlds(run)
         self.writer: ResultsWriter | None = None
         self.interrupted: str | None = None
+        self.noise = WarningCounter()
         self._sigterm: forked.SignalHandler = None
 
     def pytest_configure(self, config: pytest.Config) -> None:
@@ -61,13 +63,26 @@ class DistconfSession:
         self.worlds.close()
         reach.flush()
         if self.writer is not None:
-            ending = self.worlds.end_fields()
+            ending = self.worlds.end_fields() | recording.end_fields(self.config)
+            self.writer.write_noise(self.noise.records())
             self.writer.close(exitstatus=int(exitstatus), interrupted=self.interrupted, **ending)
 
     def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
         """Ctrl-C, SIGINT, SIGTERM, or pytest stopping the session (a collection error): the
         end record says so, whatever pytest's exit code."""
         self.interrupted = str(excinfo.value) or excinfo.typename
+
+    # Inside pytest's own recording of warnings (tryfirst wrappers), which shows what is not
+    # torch's known noise (``torch_noise``).
+    @pytest.hookimpl(wrapper=True)
+    def pytest_collection(self, session: pytest.Session) -> Any:
+        with self.noise.sifting():
+            return (yield)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item) -> Any:
+        with self.noise.sifting():
+            return (yield)
 
     def pytest_runtest_logstart(self, nodeid: str) -> None:
         # An xdist controller replays its workers' starts; their outcomes are in the

@@ -72,6 +72,15 @@ def open_writer(config: pytest.Config, run: RunConfig, backend: str) -> ResultsW
         raise pytest.UsageError(str(exc.renamed("--distconf-results"))) from None
 
 
+def end_fields(config: pytest.Config) -> dict[str, int]:
+    """What the end record of the session's file says of xdist: in the controller's (the
+    run's main file, which holds none of the tests), how many workers ran them, each
+    recording its own in a file beside it."""
+    if not config.pluginmanager.has_plugin("dsession"):
+        return {}
+    return {"workers": len(config.getoption("tx") or [])}
+
+
 def _check_expectations_dir(config: pytest.Config) -> None:
     """A run of the suites needs its known deviations, which collection reads: a directory
     that is not there is refused before the earlier run is moved aside, not after."""

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import ReportError as ReportError  # re-exported: callers import it here
-from harness.outcome.outputs import one_run_in
+from harness.outcome.outputs import one_run_in, with_its_workers
 from harness.outcome.results import STATUSES, Results, read_results
 from harness.outcome.verdict import RunVerdict, is_unexpected, of_results, outcome
 from harness.parity import Verdict
@@ -113,6 +113,8 @@ class SourceFile:
     """Tests that started and recorded no outcome: the session died running them."""
     schema_problem: str | None = None
     """No header, or a schema this distconf does not read: its records may mean otherwise."""
+    noise: tuple[Mapping[str, Any], ...] = ()
+    """torch's known noise kept off the run's console: its ``noise`` records."""
 
 
 @dataclass(frozen=True)
@@ -240,7 +242,8 @@ def _exercised(value: Any) -> tuple[tuple[str, int], ...]:
 
 
 def expand(paths: Sequence[Path]) -> list[Path]:
-    """The files named, a directory standing for its ``results*.jsonl``; missing → error."""
+    """The files named, a directory standing for its ``results*.jsonl`` and a run's main
+    results file for itself and its workers' files beside it; missing → error."""
     files: list[Path] = []
     for path in paths:
         if path.is_dir():
@@ -249,7 +252,7 @@ def expand(paths: Sequence[Path]) -> list[Path]:
                 raise ReportError(f"results directory {str(path)!r} holds no results*.jsonl")
             files += found
         elif path.is_file():
-            files.append(path)
+            files += with_its_workers(path)
         else:
             raise ReportError(f"results file {str(path)!r} does not exist")
     return list(dict.fromkeys(files))
@@ -316,6 +319,7 @@ def load(paths: Sequence[Path]) -> Loaded:
             replaced_bytes=results.replaced_bytes,
             unfinished=tuple(results.unfinished),
             schema_problem=results.schema_problem,
+            noise=tuple(results.noise),
         )
         files.append(source)
         warnings += _file_warnings(source)
@@ -325,6 +329,21 @@ def load(paths: Sequence[Path]) -> Loaded:
             if warning:
                 warnings.append(warning)
     if not records and not any(f.unfinished for f in files):
-        names = ", ".join(f.path for f in files)
-        raise ReportError(f"no test records in {names}: nothing ran, so there is nothing to report")
+        raise _nothing_to_report(files)
     return Loaded(tuple(files), tuple(records), tuple(warnings), of_results(read))
+
+
+def _nothing_to_report(files: Sequence[SourceFile]) -> ReportError:
+    """Why files without a test record give no report: a run's main file whose workers'
+    files are not beside it, or a run that ran nothing."""
+    for source in files:
+        workers = (source.end or {}).get("workers")
+        if workers:
+            return ReportError(
+                f"no test records in {source.path}: it is the main results file of a run whose "
+                f"{workers} xdist worker(s) recorded its tests in files of their own "
+                "(results.gwN.jsonl, with the same run_id), and none of them lies beside it: "
+                "name the workers' files too, or the directory holding them all"
+            )
+    names = ", ".join(f.path for f in files)
+    return ReportError(f"no test records in {names}: nothing ran, so there is nothing to report")
