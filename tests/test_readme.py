@@ -23,6 +23,7 @@ ONE_TEST_OF = {
     "optim_parity": "test_fused_sgd_steps_sharded_parameters",
     "tp": "test_tp_mlp_inference_matches_one_device",
     "hsdp": "test_fully_shard_hybrid_trains_like_full_shard",
+    "ops": "test_op_on_dtensors_matches_one_device and sigmoid",
 }
 """A quick test of each suite: an example's run selects these of the suites it names."""
 TINY_BENCH = {
