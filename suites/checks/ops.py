@@ -77,6 +77,17 @@ def global_inputs(case: OpInfoCase, device: torch.device) -> list[torch.Tensor]:
     return made
 
 
+def opinfos_on_rank(ctx: RankContext, cases: tuple[OpInfoCase, ...]) -> list[OpRun]:
+    """Each case in turn; an op's refusal names the case (``OpRefused: case N: ...``)."""
+    runs = []
+    for number, case in enumerate(cases):
+        try:
+            runs.append(opinfo_on_rank(ctx, case))
+        except OpRefused as refused:
+            raise OpRefused(f"case {number}: {refused}") from refused
+    return runs
+
+
 def opinfo_on_rank(ctx: RankContext, case: OpInfoCase) -> OpRun:
     mesh = ctx.mesh_of(case.mesh)
     inputs = []
