@@ -160,7 +160,7 @@ FAULTS: tuple[Fault, ...] = (
         summary="max.dim/min.dim gain the rule S(dim) -> (P(max), P(max)) (min: P(min)): "
         "x.max(dim) over the sharded dim returns local indices reduced by max",
         patches=(rules_edited(aten("max.dim", "min.dim"), max_dim_indices_partial),),
-        origin=blind(OPS, "https://github.com/pytorch/pytorch/issues/168940"),
+        origin=blind(OPS, "https://github.com/pytorch/pytorch/issues/168940", survived_before=True),
     ),
     # https://github.com/pytorch/pytorch/pull/173936: argmax/argmin were treated as linear
     # reductions like max/min (S(dim) -> P(max)), so the max of per-shard local indices was
@@ -177,7 +177,7 @@ FAULTS: tuple[Fault, ...] = (
                 ("reduction_linear=False,  # Force", "reduction_linear=True,  # Force"),
             ),
         ),
-        origin=blind(OPS, "https://github.com/pytorch/pytorch/pull/173936"),
+        origin=blind(OPS, "https://github.com/pytorch/pytorch/pull/173936", survived_before=True),
     ),
     # https://github.com/pytorch/pytorch/pull/159856: linalg_vector_norm assumed the norm
     # reduction-linear for any input, so the norm of a Partial(sum) DTensor was computed on
@@ -194,7 +194,7 @@ FAULTS: tuple[Fault, ...] = (
                 "isinstance(reduction_op, NormReduction)",
             ),
         ),
-        origin=blind(OPS, "https://github.com/pytorch/pytorch/pull/159856"),
+        origin=blind(OPS, "https://github.com/pytorch/pytorch/pull/159856", survived_before=True),
     ),
     # https://github.com/pytorch/pytorch/pull/165962: reductions of a Partial input delayed
     # the redistribution when the reduction was linear, so max/min of a Partial(sum) DTensor
@@ -211,7 +211,7 @@ FAULTS: tuple[Fault, ...] = (
                 "reduction_op in ('max', 'min')",
             ),
         ),
-        origin=blind(OPS, "https://github.com/pytorch/pytorch/pull/165962"),
+        origin=blind(OPS, "https://github.com/pytorch/pytorch/pull/165962", survived_before=True),
     ),
     # https://github.com/pytorch/pytorch/pull/151071 (cumsum support): a scan over a sharded
     # dim must replicate that dim first; propagating the sharding through scans each shard
@@ -228,7 +228,7 @@ FAULTS: tuple[Fault, ...] = (
                 ("input_strategy, [dim], keep_dim=True", "input_strategy, [], keep_dim=True"),
             ),
         ),
-        origin=blind(OPS, "https://github.com/pytorch/pytorch/pull/151071"),
+        origin=blind(OPS, "https://github.com/pytorch/pytorch/pull/151071", survived_before=True),
     ),
     # https://github.com/NVIDIA/Megatron-LM/issues/1446 (norm weight gradients differ across
     # TP ranks under sequence parallelism; cf. pytorch/pytorch#102280): with the input sharded
@@ -246,6 +246,7 @@ FAULTS: tuple[Fault, ...] = (
             OPS,
             "https://github.com/NVIDIA/Megatron-LM/issues/1446",
             "https://github.com/pytorch/pytorch/issues/102280",
+            survived_before=True,
         ),
     ),
     # https://github.com/NVIDIA/Megatron-LM/issues/7452 (item 11: an RMSNorm weight whose
@@ -258,7 +259,9 @@ FAULTS: tuple[Fault, ...] = (
         summary="_fused_rms_norm_backward declares grad_weight Replicate instead of "
         "Partial(sum) when the input is sharded on a leading dim",
         patches=(rules_edited(aten("_fused_rms_norm_backward.default"), grads_replicated(1)),),
-        origin=blind(OPS, "https://github.com/NVIDIA/Megatron-LM/issues/7452"),
+        origin=blind(
+            OPS, "https://github.com/NVIDIA/Megatron-LM/issues/7452", survived_before=True
+        ),
     ),
     # https://github.com/pytorch/pytorch/issues/185167: nll_loss(reduction="mean") over a
     # batch-sharded input divided by each rank's own total weight, not the global one; here
@@ -277,7 +280,7 @@ FAULTS: tuple[Fault, ...] = (
                 ("if reduction == Reduction.MEAN.value:", "if False:"),
             ),
         ),
-        origin=blind(OPS, "https://github.com/pytorch/pytorch/issues/185167"),
+        origin=blind(OPS, "https://github.com/pytorch/pytorch/issues/185167", survived_before=True),
     ),
     # https://github.com/pytorch/pytorch/pull/157340 (reworked partial propagation of mul;
     # cf. PR #172601: "bugs where we [were] propagating partials when we shouldn't have"):
@@ -297,6 +300,7 @@ FAULTS: tuple[Fault, ...] = (
             OPS,
             "https://github.com/pytorch/pytorch/pull/157340",
             "https://github.com/pytorch/pytorch/pull/172601",
+            survived_before=False,
         ),
     ),
     # https://github.com/pytorch/pytorch/pull/174536: abs validated as P(sum) -> P(sum)
@@ -311,7 +315,7 @@ FAULTS: tuple[Fault, ...] = (
         patches=(
             rules_edited(aten("abs.default", "abs_.default"), partial_rule([["sum", "sum"]])),
         ),
-        origin=blind(OPS, "https://github.com/pytorch/pytorch/pull/174536"),
+        origin=blind(OPS, "https://github.com/pytorch/pytorch/pull/174536", survived_before=True),
     ),
     # https://github.com/pytorch/pytorch/pull/167813 (review: mul by a scalar keeps a max-like
     # partial only for non-negative scalars): a negative factor flips max into min.
@@ -333,6 +337,7 @@ FAULTS: tuple[Fault, ...] = (
             OPS,
             "https://github.com/pytorch/pytorch/pull/167813",
             "https://github.com/pytorch/pytorch/pull/170025",
+            survived_before=True,
         ),
     ),
     # https://github.com/pytorch/pytorch/issues/163374: clamp of a Partial(sum) DTensor
@@ -356,7 +361,7 @@ FAULTS: tuple[Fault, ...] = (
                 partial_rule([["sum", "sum"]]),
             ),
         ),
-        origin=blind(OPS, "https://github.com/pytorch/pytorch/issues/163374"),
+        origin=blind(OPS, "https://github.com/pytorch/pytorch/issues/163374", survived_before=True),
     ),
     # https://github.com/pytorch/pytorch/issues/149768 (clip_grad_norm_'s total_norm + 1e-6
     # added once per rank; also #163193): the foreach form, as the foreach optimizer and
@@ -382,6 +387,7 @@ FAULTS: tuple[Fault, ...] = (
             OPS,
             "https://github.com/pytorch/pytorch/issues/149768",
             "https://github.com/pytorch/pytorch/issues/163193",
+            survived_before=True,
         ),
     ),
     # https://github.com/pytorch/pytorch/pull/159856: the same bug in "the optimized
@@ -397,7 +403,7 @@ FAULTS: tuple[Fault, ...] = (
                 aten("_foreach_norm.Scalar"), "isinstance(reduction_op, NormReduction)"
             ),
         ),
-        origin=blind(OPS, "https://github.com/pytorch/pytorch/pull/159856"),
+        origin=blind(OPS, "https://github.com/pytorch/pytorch/pull/159856", survived_before=True),
     ),
     # https://github.com/pytorch/pytorch/pull/141220 (the flattened shard index of a tensor
     # dim sharded over several mesh dims, for FSDP2 + TP): counting only the first mesh dim
@@ -410,7 +416,7 @@ FAULTS: tuple[Fault, ...] = (
         "only its first mesh dim: on (Shard(0), Shard(0)) ranks (i, 0) and (i, 1) draw the "
         "same numbers",
         patches=(Patch(f"{_RANDOM}:_calc_shard_info", first_mesh_dim_only),),
-        origin=blind(OPS, "https://github.com/pytorch/pytorch/pull/141220"),
+        origin=blind(OPS, "https://github.com/pytorch/pytorch/pull/141220", survived_before=True),
     ),
     # https://github.com/pytorch/pytorch/pull/174926 (review: the original all-Partial
     # "linearity" rule of PR #98227 is right only when the einsum reduces nothing): mm of two
@@ -427,7 +433,7 @@ FAULTS: tuple[Fault, ...] = (
                 rewritten((_ALL_PARTIAL_ANCHOR, _ALL_PARTIAL_WIDENED)),
             ),
         ),
-        origin=blind(OPS, "https://github.com/pytorch/pytorch/pull/174926"),
+        origin=blind(OPS, "https://github.com/pytorch/pytorch/pull/174926", survived_before=False),
     ),
     # https://github.com/pytorch/pytorch/pull/172387 (review: the bias placement derived as
     # Partial() for any Partial output "isn't good ... we should also inherit its reduce op"):
@@ -450,6 +456,6 @@ FAULTS: tuple[Fault, ...] = (
                 ),
             ),
         ),
-        origin=blind(OPS, "https://github.com/pytorch/pytorch/pull/172387"),
+        origin=blind(OPS, "https://github.com/pytorch/pytorch/pull/172387", survived_before=True),
     ),
 )

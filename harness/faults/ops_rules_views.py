@@ -94,6 +94,7 @@ FAULTS: tuple[Fault, ...] = (
             OPS,
             "https://github.com/pytorch/pytorch/issues/166124",
             "https://github.com/pytorch/pytorch/pull/173563",
+            survived_before=True,
         ),
     ),
     # https://github.com/llvm/torch-mlir/pull/1780 ("when input dim < 0, the conversion to
@@ -107,7 +108,7 @@ FAULTS: tuple[Fault, ...] = (
         "x.unsqueeze(-1) on a tensor sharded on its last dim labels the new singleton dim as "
         "the sharded one",
         patches=(Patch(f"{_VIEW}:dim_unsqueeze", _unsqueeze_negative_off_by_one),),
-        origin=blind(OPS, "https://github.com/llvm/torch-mlir/pull/1780"),
+        origin=blind(OPS, "https://github.com/llvm/torch-mlir/pull/1780", survived_before=True),
     ),
     # https://github.com/pytorch/pytorch/pull/129018 ("Fixed stack op strategy": the new dim
     # must be inserted after the input specs are made): stack's output placements must shift
@@ -127,7 +128,7 @@ FAULTS: tuple[Fault, ...] = (
                 ),
             ),
         ),
-        origin=blind(OPS, "https://github.com/pytorch/pytorch/pull/129018"),
+        origin=blind(OPS, "https://github.com/pytorch/pytorch/pull/129018", survived_before=True),
     ),
     # https://github.com/pytorch/pytorch/pull/178785 ("cat, split, unbind:
     # is_tensor_dim_sharded missed _StridedShard"): a strided shard on the cat/split/slice dim
@@ -139,7 +140,7 @@ FAULTS: tuple[Fault, ...] = (
         summary="the tensor ops' is_tensor_dim_sharded (cat, split, slice, select, unbind, "
         "slice_scatter) sees only plain Shard: a _StridedShard on the op's dim is kept",
         patches=(Patch(f"{_TENSOR_OPS}:is_tensor_dim_sharded", _plain_shard_only),),
-        origin=blind(OPS, "https://github.com/pytorch/pytorch/pull/178785"),
+        origin=blind(OPS, "https://github.com/pytorch/pytorch/pull/178785", survived_before=True),
     ),
     # https://github.com/pytorch/pytorch/pull/178785 ("slice ...: shard dim not detected,
     # wrong results and gradients"): a slice along a sharded dim must unshard it, since the
@@ -156,7 +157,7 @@ FAULTS: tuple[Fault, ...] = (
                 ("not is_tensor_dim_sharded(arg_spec, dim=slice_dim)", "True"),
             ),
         ),
-        origin=blind(OPS, "https://github.com/pytorch/pytorch/pull/178785"),
+        origin=blind(OPS, "https://github.com/pytorch/pytorch/pull/178785", survived_before=True),
     ),
     # https://github.com/pytorch/pytorch/issues/170934 (PR #171367; also #172350): index_put
     # counted as indexed only the dims before self.ndim - values.ndim, so with values of
@@ -178,6 +179,7 @@ FAULTS: tuple[Fault, ...] = (
             OPS,
             "https://github.com/pytorch/pytorch/issues/170934",
             "https://github.com/pytorch/pytorch/issues/172350",
+            survived_before=True,
         ),
     ),
     # https://github.com/pytorch/pytorch/pull/186149 (scatter sharding on non-scatter axes:
@@ -198,7 +200,7 @@ FAULTS: tuple[Fault, ...] = (
                 ),
             ),
         ),
-        origin=blind(OPS, "https://github.com/pytorch/pytorch/pull/186149"),
+        origin=blind(OPS, "https://github.com/pytorch/pytorch/pull/186149", survived_before=True),
     ),
     # https://github.com/pytorch/pytorch/pull/174727: embedding_dense_backward's strategy was
     # cached without num_weights, so a second embedding of another vocabulary size got the
@@ -216,6 +218,6 @@ FAULTS: tuple[Fault, ...] = (
                 _without(aten("embedding_dense_backward.default")),
             ),
         ),
-        origin=blind(OPS, "https://github.com/pytorch/pytorch/pull/174727"),
+        origin=blind(OPS, "https://github.com/pytorch/pytorch/pull/174727", survived_before=True),
     ),
 )
