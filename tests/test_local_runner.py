@@ -347,7 +347,7 @@ def test_a_suite_the_local_runner_cannot_serve_skips_naming_it(tmp_path):
     assert records
     for record in records.values():
         assert record["status"] == "skipped"
-        assert "the local runner serves the placements, uneven suites only" in str(
+        assert "the local runner serves the ops, placements, uneven suites only" in str(
             record["skip_reason"]
         )
 
