@@ -17,7 +17,8 @@ from harness.profiles import costly, goes_wide
 from harness.strategies import opinfo_cases, usable_samples
 from harness.torchkit import op_db
 from harness.torchkit.dtensor import DTensorView
-from specs.placements import Partial, Shard, local_arrays
+from specs.placements import Shard
+from suites.checks.dtensor import expected_piece
 from suites.checks.ops import (
     Leaf,
     OpRefused,
@@ -185,7 +186,7 @@ def _assert_leaf(
         return
     assert leaf.full is not None
     _assert_values(leaf.full, expected.values, case, f"full_tensor() of {who}")
-    piece = _expected_piece(leaf, expected.values, case.mesh_shape)
+    piece = expected_piece(leaf, expected.values, case.mesh_shape)
     if piece is not None:
         _assert_values(leaf.local, piece, case, f"to_local() of {who} {list(leaf.placements)}")
 
@@ -231,15 +232,3 @@ def _assert_values(actual: np.ndarray, expected: np.ndarray, case: OpInfoCase, w
             why=why,
             record_as=f"ops/{case.dtype}",
         )
-
-
-def _expected_piece(
-    view: DTensorView, expected: np.ndarray, mesh_shape: tuple[int, ...]
-) -> np.ndarray | None:
-    """The piece of ``expected`` the view's placements give its rank on the case's mesh
-    (every output lives on its inputs' mesh); None where a piece is a contribution
-    (Partial) or of a placement the model does not know."""
-    if any(isinstance(p, str | Partial) for p in view.placements):
-        return None
-    known = tuple(p for p in view.placements if not isinstance(p, str))
-    return local_arrays(expected, mesh_shape, known)[view.coord]

@@ -38,8 +38,6 @@ from harness.strategies import (
 from harness.torchkit.dtensor import DTensorView, dtype_name, to_numpy
 from specs.placements import (
     REDUCE_OPS,
-    Partial,
-    Placement,
     Shard,
     contiguous_stride,
     local_arrays,
@@ -48,6 +46,7 @@ from suites.checks.dtensor import (
     FactoryView,
     assert_layout,
     distribute_on_rank,
+    expected_piece,
     factory_on_one_device,
     factory_on_rank,
     flattened_on_rank,
@@ -347,7 +346,7 @@ def _assert_op_result(view: DTensorView, expected: np.ndarray, case: OpCase, ind
         why=OP_WHY,
         record_as="op/float64",
     )
-    local = _expected_local(view, expected, case.source.mesh_shape)
+    local = expected_piece(view, expected, case.source.mesh_shape)
     if local is None:
         return
     assert_close(
@@ -359,20 +358,6 @@ def _assert_op_result(view: DTensorView, expected: np.ndarray, case: OpCase, ind
         what=f"to_local() of {who}",
         why=OP_WHY,
     )
-
-
-def _expected_local(
-    view: DTensorView, expected: np.ndarray, mesh_shape: tuple[int, ...]
-) -> np.ndarray | None:
-    """The local tensor ``view``'s placements give ``expected`` on its rank; None for
-    contributions (Partial) or a placement the model does not know (_StridedShard)."""
-    if any(isinstance(p, str | Partial) for p in view.placements):
-        return None
-    return local_arrays(expected, mesh_shape, _known(view.placements))[view.coord]
-
-
-def _known(placements: tuple[Placement | str, ...]) -> tuple[Placement, ...]:
-    return tuple(p for p in placements if not isinstance(p, str))
 
 
 @pytest.mark.spec("placements.ops.scan_negative_dim")
@@ -445,7 +430,7 @@ def _assert_reshaped(view: DTensorView, expected: np.ndarray, case: ReshapeCase)
     who = f"{case.method} on rank {view.rank} (mesh coord {view.coord})"
     assert view.full is not None
     assert_array_equal(view.full, expected, what=f"full_tensor() of {who}")
-    local = _expected_local(view, expected, case.source.mesh_shape)
+    local = expected_piece(view, expected, case.source.mesh_shape)
     if local is not None:
         assert_array_equal(view.local, local, what=f"to_local() of {who}")
 
@@ -560,7 +545,7 @@ def _assert_program_array(
     __tracebackhide__ = True
     assert view.full is not None
     _assert_program_close(view.full, want, f"full_tensor() of {who}", atol, record_as)
-    local = _expected_local(view, want, case.mesh.shape)
+    local = expected_piece(view, want, case.mesh.shape)
     if local is not None:
         _assert_program_close(view.local, local, f"to_local() of {who}", atol)
 

@@ -324,3 +324,15 @@ def flattened_on_rank(ctx: RankContext, case: FlattenedCase) -> DTensorView:
     root[names]._flatten("_".join(names))
     whole = tensor_from(source.global_array(), source.dtype, ctx.device)
     return view_of(distribute_tensor(whole, root, to_torch_placements(source.placements)), ctx)
+
+
+def expected_piece(
+    view: DTensorView, expected: np.ndarray, mesh_shape: tuple[int, ...]
+) -> np.ndarray | None:
+    """The piece of ``expected`` that ``view``'s placements give its rank on a mesh of
+    ``mesh_shape``; None for contributions (Partial) or a placement the model does not know
+    (``_StridedShard``)."""
+    if any(isinstance(p, str | Partial) for p in view.placements):
+        return None
+    known = tuple(p for p in view.placements if not isinstance(p, str))
+    return local_arrays(expected, mesh_shape, known)[view.coord]
