@@ -177,9 +177,10 @@ def _test(nodeid, status, expectation=None):
         (1, None),
         (2, None),
         (3, None),
-        (4, "schema=4 is not one this distconf reads (1, 2, 3)"),
-        ("2", "schema='2' is not one this distconf reads (1, 2, 3)"),
-        (None, "schema=None is not one this distconf reads (1, 2, 3)"),
+        (4, None),
+        (5, "schema=5 is not one this distconf reads (1, 2, 3, 4)"),
+        ("2", "schema='2' is not one this distconf reads (1, 2, 3, 4)"),
+        (None, "schema=None is not one this distconf reads (1, 2, 3, 4)"),
     ],
 )
 def test_read_results_marks_a_schema_it_does_not_read(tmp_path, schema, problem):
