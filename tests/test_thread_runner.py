@@ -414,3 +414,20 @@ def test_settle_synchronizes_each_accelerator_the_data_lives_on(monkeypatch):
     synced.clear()
     _threaded_pg.settle([torch.ones(1)])
     assert synced == []
+
+
+def test_a_thread_local_world_without_comms_gets_one_list_per_thread() -> None:
+    """torch 2.11's c10d reads ``_world.comms`` on destroy; its thread-local world lacked it."""
+    from harness.runners import _threaded_pg
+
+    class World:
+        _world = threading.local()
+
+    _threaded_pg._give_world_comms(World)
+    world = World()
+    world.comms.append("main")  # type: ignore[attr-defined]
+    seen: list[list[str]] = []
+    other = threading.Thread(target=lambda: seen.append(list(world.comms)))  # type: ignore[attr-defined]
+    other.start()
+    other.join()
+    assert (world.comms, seen) == (["main"], [[]])  # type: ignore[attr-defined]

@@ -354,11 +354,27 @@ def install() -> None:
         if not _installed:
             # Also turns autograd's multithreading off, process-wide, until uninstalled.
             _upstream._install_threaded_pg()
+            _give_world_comms(_upstream.ThreadLocalWorld)
             torch._C._distributed_c10d._set_thread_isolation_mode(True)  # type: ignore[attr-defined]
             _installed = True
         if not _registered:
             dist.Backend.register_backend(BACKEND, _create_group, devices=["cpu", "cuda"])
             _registered = True
+
+
+def _give_world_comms(world_class: type) -> None:
+    """torch 2.11's ``destroy_process_group`` walks ``_world.comms``, which its thread-local
+    world lacks (upstream added it later): every rank thread's exit raised AttributeError."""
+    if hasattr(world_class, "comms"):
+        return
+
+    def comms(self: Any) -> list[Any]:
+        local = world_class._world  # type: ignore[attr-defined]
+        if not hasattr(local, "comms"):
+            local.comms = []
+        return local.comms  # type: ignore[no-any-return]
+
+    world_class.comms = property(comms)  # type: ignore[attr-defined]
 
 
 def release(grace: float = 0.0) -> None:

@@ -140,7 +140,8 @@ def is_random(key: str, dtype: str, index: int) -> bool:
     says so (uninitialized memory), or the sample gives other values under another seed (a
     random op, or dropout a sample asks for)."""
     op = op_info(key)
-    if op.has_nondeterministic_output or _reseeds(op.op):
+    # torch 2.11's OpInfo has no such field
+    if getattr(op, "has_nondeterministic_output", False) or _reseeds(op.op):
         return True
     sample = samples(key, dtype)[index]
     runs = []
