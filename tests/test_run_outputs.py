@@ -49,7 +49,7 @@ def test_passes(world):
     assert world.run(lambda ctx: 1) == [1] * world.world_size
 
 
-def test_passes_when_told(world):
+def test_told_to_pass(world):
     for _ in range(1800):
         if GO.exists():
             break
@@ -135,7 +135,7 @@ def test_a_second_run_on_a_busy_out_is_refused_and_the_first_judges_its_own_cras
 def test_two_runs_started_at_once_into_one_out_lose_no_record(tmp_path):
     """Both started together; the run that holds the directory waits (for the file "go")
     until the other has ended, so the two overlap however the machine schedules them."""
-    runs = [_start(tmp_path, select="passes_when_told") for _ in range(2)]
+    runs = [_start(tmp_path, select="told_to_pass") for _ in range(2)]
     try:
         first = _first_to_end(runs)
     finally:
