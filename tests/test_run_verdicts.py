@@ -90,6 +90,8 @@ def test_a_rank_thread_ending_the_process_is_a_crash_naming_the_test(tmp_path, j
     assert code == 3, output[-3000:]
     assert "verdict: crashed: Crashed while running" in output
     assert "test_dies[threads-ws2-cpu]" in output
+    verdict = output.rstrip().splitlines()[-1]
+    assert verdict.count("test_dies[") == 1, verdict  # run once, never handed on after
     assert _verdicts(tmp_path / "out") == ("crashed", "crashed")
 
 

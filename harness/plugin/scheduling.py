@@ -41,6 +41,15 @@ def largest_worlds_first(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: (-size(item), position[id(item)]))
 
 
+def _first_pending(workload: dict[str, dict[str, bool]]) -> tuple[str, str] | None:
+    """The unit and node ID of the first test a worker was given and did not complete."""
+    for scope, unit in workload.items():
+        for nodeid, completed in unit.items():
+            if not completed:
+                return scope, nodeid
+    return None
+
+
 def make_scheduler(config: pytest.Config, log: Any) -> Any:
     """xdist's scheduler for ``--distconf-schedule=worlds`` (imported only in a controller)."""
     from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
@@ -63,5 +72,19 @@ def make_scheduler(config: pytest.Config, log: Any) -> Any:
                 self._shares = max(1, math.ceil(2 * len(self.nodes) / max(1, len(worlds))))
             test = nodeid.rsplit("[", 1)[0]
             return f"{world[0]}#{zlib.crc32(test.encode()) % self._shares}"
+
+        def remove_node(self, node: Any) -> str | None:
+            # xdist's scope scheduling puts a crashed worker's whole unit back, the test that
+            # crashed it included: each replacement worker ran it and crashed again, until
+            # xdist ran out of restarts. Marked done here, the crash is reported once.
+            workload: dict[str, dict[str, bool]] = self.assigned_work.get(node, {})
+            crashed = _first_pending(workload)
+            if crashed is None:
+                return super().remove_node(node)  # type: ignore[no-any-return]
+            scope, nodeid = crashed
+            workload[scope][nodeid] = True
+            self.assigned_work[node] = {s: u for s, u in workload.items() if not all(u.values())}
+            super().remove_node(node)
+            return nodeid
 
     return WorldScheduling(config, log)
