@@ -67,6 +67,8 @@ class _Recorder:
         self.test = OUTSIDE_TESTS
         self.pending: dict[str, dict[str, Calls]] = {}
         self.lock = threading.Lock()
+        self.writing = threading.Lock()
+        """Held while a flush writes: a header before any record, lines never interleaved."""
         self.header_written = False
 
     def add(self, api: str, passed: dict[str, str]) -> None:
@@ -75,17 +77,18 @@ class _Recorder:
             per_api.setdefault(api, Calls()).add(passed)
 
     def flush(self) -> bool:
-        with self.lock:
-            pending, self.pending = self.pending, {}
-            header = not self.header_written
+        with self.writing:
+            with self.lock:
+                pending, self.pending = self.pending, {}
+            if not pending:
+                return False
+            lines = [] if self.header_written else [_header()]
+            lines += [json.dumps({"test": t, "calls": _jsonable(c)}) for t, c in pending.items()]
+            self.directory.mkdir(parents=True, exist_ok=True)
+            path = self.directory / f"surface-{os.getpid()}.jsonl"
+            with path.open("a", encoding="utf-8") as file:
+                file.write("".join(line + "\n" for line in lines))
             self.header_written = True
-        if not pending:
-            return False
-        lines = [_header()] if header else []
-        lines += [json.dumps({"test": t, "calls": _jsonable(c)}) for t, c in pending.items()]
-        self.directory.mkdir(parents=True, exist_ok=True)
-        with (self.directory / f"surface-{os.getpid()}.jsonl").open("a", encoding="utf-8") as f:
-            f.write("".join(line + "\n" for line in lines))
         return True
 
 

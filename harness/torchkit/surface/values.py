@@ -66,7 +66,18 @@ def _torch_object(value: Any, depth: int) -> str:
         names = value.mesh_dim_names
         return f"DeviceMesh({shape}{', ' + '/'.join(names) if names else ''})"
     if dataclasses.is_dataclass(value) and depth <= 1:
-        fields = (f.name for f in dataclasses.fields(value) if not f.name.startswith("_"))
-        shown = ", ".join(f"{n}={_spelled(getattr(value, n), depth + 1)}" for n in fields)
-        return f"{name}({shown})"
+        return f"{name}({_changed_fields(value, depth)})"
     return name
+
+
+def _changed_fields(value: Any, depth: int) -> str:
+    """A dataclass's public fields that differ from their defaults: what was chosen, and
+    short enough that two different choices never read alike once cut at ``LONGEST``."""
+    shown = []
+    for spec in dataclasses.fields(value):
+        if spec.name.startswith("_"):
+            continue
+        text = _spelled(getattr(value, spec.name), depth + 1)
+        if spec.default is dataclasses.MISSING or text != _spelled(spec.default, depth + 1):
+            shown.append(f"{spec.name}={text}")
+    return ", ".join(shown)
