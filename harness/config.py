@@ -70,6 +70,9 @@ class RunConfig:
     reach: bool = False
     """Record the DTensor ops every process of the run reaches, in ``OUT/reach``
     (``harness reach`` measures them)."""
+    surface: bool = False
+    """Record the options every test of the run passes to torch's public API, in
+    ``OUT/surface`` (``harness surface`` measures them)."""
     faults: tuple[str, ...] = ()
     """Fault IDs injected for the whole run (``harness.faults``): a mutation run."""
     fault_files: tuple[str, ...] = ()

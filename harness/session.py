@@ -23,7 +23,7 @@ from harness.outcome import junit, noise, outputs, triage, verdict
 from harness.outcome.results import SEVERITY, append_records, read_results
 from harness.outcome.verdict import RunVerdict
 from harness.profiles import needs_seed
-from harness.torchkit import reach
+from harness.torchkit import reach, surface
 
 RESULTS = "results.jsonl"
 """The results file of a run under ``config.out`` (``results.gwN.jsonl`` per xdist worker)."""
@@ -121,7 +121,9 @@ def run(config: RunConfig, *, extra: Sequence[str] = ()) -> int:
     an earlier run's records aside (``outputs.keep_earlier``), never deletes them, once it
     has checked its own configuration. With ``config.reach``, every process of the run records
     the DTensor ops it reaches in ``OUT/reach`` (``torchkit.reach``, through
-    ``$DISTCONF_REACH_DIR``)."""
+    ``$DISTCONF_REACH_DIR``); with ``config.surface``, every pytest process the options its
+    tests pass to torch's public API in ``OUT/surface`` (``torchkit.surface``, through
+    ``$DISTCONF_SURFACE_DIR``)."""
     config.check_outputs()
     config.check_machine()
     with outputs.locked(config.out):
@@ -132,7 +134,7 @@ def run(config: RunConfig, *, extra: Sequence[str] = ()) -> int:
             pytest_arguments(config, extra=extra, run_id=run_id),
             results_dir=config.out,
             test_timeout=config.test_timeout,
-            environment={reach.ENV_VAR: str(config.out / outputs.REACH)} if config.reach else {},
+            environment=_recorders(config),
             sift=sift,
         )
         files, others = outputs.results_of(config.out, run_id)
@@ -153,6 +155,16 @@ def run(config: RunConfig, *, extra: Sequence[str] = ()) -> int:
         report_code = write_report(files, config.out / outputs.REPORT)
         say(judged)  # the last line of the run
     return judged.exit_code or exit_code or report_code
+
+
+def _recorders(config: RunConfig) -> dict[str, str]:
+    """The environment that turns on the recorders the run asks for."""
+    environment = {}
+    if config.reach:
+        environment[reach.ENV_VAR] = str(config.out / outputs.REACH)
+    if config.surface:
+        environment[surface.ENV_VAR] = str(config.out / outputs.SURFACE)
+    return environment
 
 
 def _keep_noise(files: list[Path], sift: noise.LineFilter) -> None:

@@ -18,7 +18,7 @@ from harness.config import available_suites
 from harness.outcome.results import ResultsWriter, TestRecord, environment_stamp
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMANDS = ("run", "list", "report", "expectations", "mutate", "bench")
+COMMANDS = ("run", "list", "report", "expectations", "mutate", "bench", "reach", "surface")
 
 
 def _run_of_two_workers(out: Path, run_id: str = "mine") -> Path:

@@ -8,7 +8,7 @@
   second run is refused, naming the process that holds it. The kernel releases the lock when
   the last process holding it ends (the forked pytest child inherits it), so a crash never
   leaves a directory refused.
-- ``keep_earlier``: an earlier run's records, report and reach folder (``REACH``) moved to
+- ``keep_earlier``: an earlier run's records, report, reach and surface folders moved to
   ``OUT/earlier/<its start>/``.
 - ``results_of``: the results files one run wrote, told apart by the ``run_id`` of their header;
   ``with_its_workers``: a run's main results file and its xdist workers' files beside it.
@@ -39,6 +39,8 @@ RESULTS_GLOB = "results*.jsonl"
 REPORT = "report.html"
 REACH = "reach"
 """The folder of a run's reach files: the DTensor ops each of its processes reached."""
+SURFACE = "surface"
+"""The folder of a run's surface files: the options of torch's API each test passed."""
 
 
 def new_run_id() -> str:
@@ -131,11 +133,11 @@ def _holder(lock: Path) -> str:
 
 
 def keep_earlier(out: Path) -> Path | None:
-    """Move an earlier run's records, reach folder and report in ``out`` to
+    """Move an earlier run's records, reach and surface folders and report in ``out`` to
     ``out/earlier/<its start>/``, so that a new run never summarises them and never loses
     them; where they went."""
     earlier = sorted(out.glob(RESULTS_GLOB)) if out.is_dir() else []
-    if not earlier and not (out / REACH).exists():
+    if not earlier and not (out / REACH).exists() and not (out / SURFACE).exists():
         return None
     header = (read_results(earlier[0]).header if earlier else None) or {}
     stamp = re.sub(r"[^0-9A-Za-z]+", "-", str(header.get("started") or "unknown")).strip("-")
@@ -145,7 +147,7 @@ def keep_earlier(out: Path) -> Path | None:
         suffix += 1
         target = out / "earlier" / f"{stamp}-{suffix}"
     target.mkdir(parents=True)
-    for path in [*earlier, out / REPORT, out / REACH]:
+    for path in [*earlier, out / REPORT, out / REACH, out / SURFACE]:
         if path.exists():
             path.rename(target / path.name)
     print(f"distconf: the earlier run's records in {out} were moved to {target}")

@@ -3,7 +3,8 @@
 ``worlds`` (the Worlds tests run on), ``collection`` (spec checks, expectations, order),
 ``recording`` (one results record per test). Where ``$DISTCONF_REACH_DIR`` is set (``harness
 run`` sets it), each pytest process records the DTensor ops its tests reach
-(``torchkit.reach``), written after each test."""
+(``torchkit.reach``), written after each test; where ``$DISTCONF_SURFACE_DIR`` is, the options
+each test passes to torch's public API (``torchkit.surface``), written after each test."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from harness.outcome.results import ResultsWriter
 from harness.plugin import collection, deviations, gpus, options, recording, scheduling, state
 from harness.plugin.torch_noise import WarningCounter
 from harness.plugin.worlds import SessionWorlds
-from harness.torchkit import reach
+from harness.torchkit import reach, surface
 
 NAME = "distconf-session"
 
@@ -44,6 +45,7 @@ class DistconfSession:
         (xdist's workers start as new programs: ``harness run``'s handler is not theirs)."""
         self._sigterm = forked.interrupt_on_sigterm()
         reach.install_from_environment()
+        surface.install_from_environment()
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         if self._sigterm is not None:
@@ -62,6 +64,7 @@ class DistconfSession:
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         self.worlds.close()
         reach.flush()
+        surface.flush()
         if self.writer is not None:
             ending = self.worlds.end_fields() | recording.end_fields(self.config)
             self.writer.write_noise(self.noise.records())
@@ -85,6 +88,7 @@ class DistconfSession:
             return (yield)
 
     def pytest_runtest_logstart(self, nodeid: str) -> None:
+        surface.begin(nodeid)
         # An xdist controller replays its workers' starts; their outcomes are in the
         # workers' files, so only a process that runs tests writes its starts.
         if self.writer is not None and not self.config.pluginmanager.has_plugin("dsession"):
@@ -92,6 +96,7 @@ class DistconfSession:
 
     def pytest_runtest_logfinish(self, nodeid: str) -> None:
         reach.flush()  # writes only when the test reached an op no earlier test did
+        surface.end()
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         self.worlds.parametrize(metafunc)

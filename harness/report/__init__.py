@@ -4,7 +4,9 @@ Self-contained (inline CSS and SVG, no scripts, no network), rendered from resul
 only. Data shaping lives in ``records`` (reading), ``model`` (summary, matrix, failures),
 ``parity`` (error metrics and their chart) and ``compare`` (a baseline run); ``render``
 lays it out with the templates of ``templates/``. ``reach`` measures which DTensor ops the
-run reached (``python -m harness reach``, and a line of the report).
+run reached (``python -m harness reach``, and a line of the report); ``surface`` which options
+of torch's public API its tests drew (``python -m harness surface``, and a line of the
+report), ``surface_refused`` the options a spec declares out of scope.
 """
 
 from harness.errors import ReportError

@@ -13,7 +13,7 @@ import jinja2
 from harness import catalogue
 from harness.errors import CatalogueError, ReportError
 from harness.outcome import outputs
-from harness.report import compare, model, mutation, parity, reach, records
+from harness.report import compare, model, mutation, parity, reach, records, surface
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,8 @@ class Page:
     mutation: mutation.Detection | None = None
     reach: str | None = None
     """How many of the ops DTensor has a rule for the run reached, where it recorded them."""
+    surface: str | None = None
+    """How many options of torch's public API the run drew, where it recorded them."""
 
 
 def _seconds(value: float | None) -> str:
@@ -86,6 +88,7 @@ def build_page(
         comparison,
         detection,
         reach.summary_of(results),
+        surface.summary_of(results),
     )
 
 

@@ -1,9 +1,10 @@
 """The distconf command line: ``python -m harness run | list | report | expectations | mutate |
-bench``.
+bench | reach | surface``.
 
 Argument parsing and dispatch only: ``run`` is ``harness.session.run``, ``mutate`` is
 ``harness.mutation.mutate.command``, ``report`` is ``harness.report.render_report``, ``bench``
-is ``harness.bench.main``, ``expectations`` is ``harness.outcome.review``. A value an option
+is ``harness.bench.main``, ``expectations`` is ``harness.outcome.review``; ``reach`` and
+``surface`` are declared in ``measures``, each command's help made by ``help``. A value an option
 does not accept, or an input that cannot be read, is refused before anything runs:
 ``error: --option=value must be ...`` and exit code 4 (pytest's usage error, which a run's bad
 pytest options give too).
@@ -18,11 +19,12 @@ import signal
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 from harness import catalogue
+from harness.cli import measures
+from harness.cli.help import PROG, WIDTH, Command, add_command, examples, listed
 from harness.config import (
     DEFAULTS,
     MUTATE_OUT,
@@ -69,7 +71,7 @@ def _run(args: argparse.Namespace) -> int:
     jobs = args.jobs
     if jobs is None:  # torchrun's agents attach to one driver
         jobs = 1 if args.runner == "torchrun" else _usable_cpus()
-    config = _config(args, junit=junit, workers=jobs, reach=args.reach)
+    config = _config(args, junit=junit, workers=jobs, reach=args.reach, surface=args.surface)
     try:
         return session.run(config, extra=args.pytest_args)
     except InvalidArgument as exc:  # the machine refused the options (session.run checks it)
@@ -154,97 +156,71 @@ def _bench(args: argparse.Namespace) -> int:
     )
 
 
-@dataclass(frozen=True)
-class _Command:
-    """A command as its user meets it in ``--help``: what it does, and an example."""
-
-    summary: str
-    """One line, in the list of commands."""
-    description: str
-    """Its own ``--help``: what it does, what it writes."""
-    example: str
-    example_says: str
-
-
-_PROG = "python -m harness"
-_WIDTH = 88
-"""Where the help's own paragraphs wrap (argparse wraps the options' help to the terminal)."""
 _ABOUT = textwrap.fill(
     "distconf checks that PyTorch's distributed training stack computes what one device "
     "computes: DTensor placements and programs, uneven shards, fully_shard (FSDP2), HSDP, "
     "tensor parallelism, ZeRO, optimizers, state dicts and DCP checkpoints, on cases "
     "Hypothesis draws, with ranks as threads, processes (gloo, nccl, ...), torchrun's, or "
     "simulated.",
-    width=_WIDTH,
+    width=WIDTH,
 )
 _COMMANDS = {
-    "run": _Command(
+    "run": Command(
         "run the conformance suites: a row per spec, the verdict, results and an HTML report",
         "Runs the suites (every one unless --suite names some) at each world size, prints a "
         "row per spec and the run's verdict, and writes the results (results*.jsonl) and "
         "report.html to --out. The exit code is the verdict's: 0 pass, 1 fail, 2 "
         "interrupted, 3 crashed or partial, 4 a refused option, 5 nothing checked, 6 a known "
         "deviation changed, 7 one fixed, 8 one not verified on this torch.",
-        f"{_PROG} run --suite placements --world-sizes 1,2 --profile dev",
+        f"{PROG} run --suite placements --world-sizes 1,2 --profile dev",
         "DTensor placements at 1 and 2 ranks, 10 examples a property",
     ),
-    "list": _Command(
+    "list": Command(
         "print the spec catalogue: every requirement the suites check",
         "Prints the spec catalogue: each requirement's ID, its suite and what it states.",
-        f"{_PROG} list",
+        f"{PROG} list",
         "the catalogue",
     ),
-    "report": _Command(
+    "report": Command(
         "render a run's results as one HTML page, compared with another run's if given",
         "Renders the results of a run (its directory, its results.jsonl, or results*.jsonl "
         "files) as one self-contained HTML page; --baseline compares it with another run.",
-        f"{_PROG} report reports/latest/results.jsonl -o report.html",
+        f"{PROG} report reports/latest/results.jsonl -o report.html",
         "the report of the last run",
     ),
-    "expectations": _Command(
+    "expectations": Command(
         "what a run says of each known deviation of torch; record a review",
         "check: lists what a run says of each known deviation (specs/expectations/*.toml): "
         "still there, fixed, not verified on its torch. update: records it in those files.",
-        f"{_PROG} expectations check reports/latest",
+        f"{PROG} expectations check reports/latest",
         "the known deviations the last run met",
     ),
-    "mutate": _Command(
+    "mutate": Command(
         "score the suites: one run per injected fault of torch, and which the suites caught",
         "Runs the suites once clean and once per fault injected into torch's distributed "
         "stack (harness/faults), stopping each at its first failure; prints the score and "
         "writes mutation.json and report.html to --out.",
-        f"{_PROG} mutate --faults uneven.padding_leaks --suite uneven --world-sizes 2,3",
+        f"{PROG} mutate --faults uneven.padding_leaks --suite uneven --world-sizes 2,3",
         "is one fault caught?",
     ),
-    "bench": _Command(
+    "bench": Command(
         "print benchmark figures: examples/s, world.run against spawn-per-check, soak",
         "Prints benchmark figures: examples a second per property and runner (properties), "
         "the cost of a world.run call against a spawn per check (overhead), and calls with "
         "failures injected (soak).",
-        f"{_PROG} bench properties --examples 50",
+        f"{PROG} bench properties --examples 50",
         "examples/s, 50 examples a property",
     ),
 }
 
 
-def _examples(commands: dict[str, _Command]) -> str:
-    lines = [f"  {c.example}\n      {c.example_says}" for c in commands.values()]
-    return "examples:\n" + "\n".join(lines)
-
-
-def _listed(commands: dict[str, _Command]) -> str:
-    width = max(map(len, commands))
-    return "commands:\n" + "\n".join(
-        f"  {name:<{width}}  {command.summary}" for name, command in commands.items()
-    )
-
-
 def _parser() -> argparse.ArgumentParser:
+    every = _COMMANDS | measures.COMMANDS
     parser = _Parser(
-        prog=_PROG,
-        usage=f"{_PROG} [-h] COMMAND [OPTIONS]",
-        description=f"{_ABOUT}\n\n{_listed(_COMMANDS)}",
-        epilog=f"{_examples(_COMMANDS)}\n\n'{_PROG} COMMAND --help' gives a command's options.",
+        prog=PROG,
+        usage=f"{PROG} [-h] COMMAND [OPTIONS]",
+        description=f"{_ABOUT}\n\n{listed(every)}",
+        epilog=f"{examples(every)}\n\n'{PROG} COMMAND --help' gives a command's options.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     # Listed in the description, in the user's words: argparse's own list would say it again.
@@ -258,6 +234,12 @@ def _parser() -> argparse.ArgumentParser:
         "--reach",
         action="store_true",
         help="record the DTensor ops the run reaches in OUT/reach (measured by harness reach)",
+    )
+    run.add_argument(
+        "--surface",
+        action="store_true",
+        help="record the options each test passes to torch's public API in OUT/surface "
+        "(measured by harness surface)",
     )
     run.add_argument(
         "--jobs",
@@ -280,21 +262,13 @@ def _parser() -> argparse.ArgumentParser:
     _add_expectations(commands)
     _add_mutate(commands)
     _add_bench(commands)
-    _add_reach(commands)
+    measures.add_reach(commands)
+    measures.add_surface(commands)
     return parser
 
 
 def _add_command(commands: Any, name: str) -> argparse.ArgumentParser:
-    """The parser of the command ``name``, its help in a user's words (``_COMMANDS``)."""
-    command = _COMMANDS[name]
-    parser: argparse.ArgumentParser = commands.add_parser(
-        name,
-        prog=f"{_PROG} {name}",
-        description=textwrap.fill(command.description, width=_WIDTH),
-        epilog=_examples({name: command}),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    return parser
+    return add_command(commands, name, _COMMANDS[name])
 
 
 def _add_run_options(parser: argparse.ArgumentParser, *, out: Path) -> None:
@@ -478,23 +452,6 @@ def _add_bench(commands: Any) -> None:
     )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(handler=_bench)
-
-
-def _add_reach(commands: Any) -> None:
-    reach = commands.add_parser(
-        "reach", help="which of the ops DTensor has a sharding rule for the runs reached"
-    )
-    reach.add_argument("dirs", nargs="+", help="runs' output directories (or reach folders)")
-    reach.add_argument("--missing", action="store_true", help="list the ops never reached")
-    reach.add_argument("--json", default=None, help="also write the figures here")
-    reach.set_defaults(handler=_reach)
-
-
-def _reach(args: argparse.Namespace) -> int:
-    from harness.report import reach
-
-    json_path = Path(args.json) if args.json else None
-    return reach.command([Path(d) for d in args.dirs], missing=args.missing, json_path=json_path)
 
 
 def _usable_cpus() -> int:
