@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness import World, parity
-from harness.cases.training import ParityCase
+from harness.cases.training import OPTIMIZERS, ParityCase
 from harness.parity import assert_array_equal, assert_close, assert_equal_values
 from harness.profiles import costly, property_settings
 from harness.strategies import (
@@ -60,7 +60,13 @@ def _check_layout(world: World, data: st.DataObject, layout: str) -> None:
     """A drawn training run under ``layout``, with every variant, against one device."""
     unsupported = frozenset() if layout in PLAIN_TENSORS else DTENSOR_UNSUPPORTED
     case = data.draw(
-        parity_cases(world.world_size, layout=layout, unsupported=unsupported, variants=True),
+        parity_cases(
+            world.world_size,
+            layout=layout,
+            unsupported=unsupported,
+            variants=True,
+            optimizers=OPTIMIZERS,
+        ),
         label="case",
     )
     _check(world, case)
@@ -87,6 +93,35 @@ def test_fully_shard_training_matches_one_device(world: World, data: st.DataObje
 @given(data=st.data())
 def test_fused_sgd_steps_sharded_parameters(world: World, data: st.DataObject) -> None:
     configs = optim_configs(names=("SGD",), impls=("fused",))
+    case = data.draw(parity_cases(world.world_size, layout="fsdp"), label="case")
+    case = ParityCase(**{**case.__dict__, "optim": data.draw(configs, label="optim")})
+    _check(world, case)
+
+
+@pytest.mark.spec("optim.fsdp.fused_adagrad")
+@PROPERTY
+@given(data=st.data())
+def test_fused_adagrad_steps_sharded_parameters(world: World, data: st.DataObject) -> None:
+    _check_optimizer(world, data, "Adagrad", ("fused",))
+
+
+@pytest.mark.spec("optim.fsdp.rprop")
+@PROPERTY
+@given(data=st.data())
+def test_rprop_steps_sharded_parameters(world: World, data: st.DataObject) -> None:
+    _check_optimizer(world, data, "Rprop", ("default", "foreach"))
+
+
+@pytest.mark.spec("optim.fsdp.adafactor")
+@PROPERTY
+@given(data=st.data())
+def test_adafactor_steps_sharded_parameters(world: World, data: st.DataObject) -> None:
+    _check_optimizer(world, data, "Adafactor", ("default", "foreach"))
+
+
+def _check_optimizer(world: World, data: st.DataObject, name: str, impls: tuple[str, ...]) -> None:
+    """A fully_shard training run whose optimizer is ``name`` (one of ``impls``)."""
+    configs = optim_configs(names=(name,), impls=impls)
     case = data.draw(parity_cases(world.world_size, layout="fsdp"), label="case")
     case = ParityCase(**{**case.__dict__, "optim": data.draw(configs, label="optim")})
     _check(world, case)
@@ -283,7 +318,10 @@ def test_ddp_training_matches_one_device(world: World, data: st.DataObject) -> N
 @PROPERTY
 @given(data=st.data())
 def test_ddp_forwards_start_from_rank0s_buffers(world: World, data: st.DataObject) -> None:
-    case = data.draw(parity_cases(world.world_size, layout="ddp", variants=True), label="case")
+    case = data.draw(
+        parity_cases(world.world_size, layout="ddp", variants=True, optimizers=OPTIMIZERS),
+        label="case",
+    )
     case = replace(case, micro_batches=1, sync_each_micro_batch=False)  # no_sync skips it
     parity.attach(f"DDP {case.call()}")
     seen = world.run(ddp_forward_buffers_on_rank, case)

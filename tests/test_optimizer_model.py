@@ -9,11 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness.strategies.training import optim_configs
-from specs.optimizers import OptimizerModel
+from specs.optimizers import OPTIMIZERS, OptimizerModel
 
 
 @settings(max_examples=60, deadline=None)
-@given(config=optim_configs(impls=("default",), groups=False), seed=st.integers(0, 2**16))
+@given(
+    config=optim_configs(names=OPTIMIZERS, impls=("default",), groups=False),
+    seed=st.integers(0, 2**16),
+)
 def test_model_matches_single_tensor_torch_optim(config, seed):
     rng = np.random.default_rng(seed)
     params = [rng.uniform(-1, 1, size=s) for s in ((3, 2), (4,), ())]

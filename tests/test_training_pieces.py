@@ -10,7 +10,14 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from harness.cases.training import LAYOUTS, TP_LAYOUTS, OptimConfig, ParityCase
+from harness.cases.training import (
+    FUSED,
+    LAYOUTS,
+    OPTIMIZERS,
+    TP_LAYOUTS,
+    OptimConfig,
+    ParityCase,
+)
 from harness.errors import InvalidArgument
 from harness.strategies.training import (
     optim_configs,
@@ -69,11 +76,26 @@ def test_optimizer_configs_build_and_step(config):
     assert len(optimizer.param_groups) == (2 if config.second_group else 1)
 
 
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_every_optimizer_is_drawn_with_options_it_takes(name, data):
+    config = data.draw(optim_configs(names=(name,), flags=True))
+    assert config.name == name and (config.impl != "fused" or name in FUSED)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    optimizer = build_optimizer(config, param_groups(model, config))
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    assert type(optimizer).__name__ == name
+
+
 def test_optimizer_config_validates_its_names():
     with pytest.raises(ValueError, match="name='Lion' must be one of"):
         OptimConfig("Lion", "default", 0.1)
     with pytest.raises(ValueError, match="impl='triton' must be one of"):
         OptimConfig("SGD", "triton", 0.1)
+    with pytest.raises(ValueError, match="name='RMSprop' must be an optimizer with a fused"):
+        OptimConfig("RMSprop", "fused", 0.1)
     with pytest.raises(ValueError, match=r"unsupported=\[\('SGD', 'fused'\)\] must be pairs"):
         optim_configs(names=("SGD",), impls=("fused",), unsupported=frozenset({("SGD", "fused")}))
 

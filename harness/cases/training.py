@@ -36,8 +36,18 @@ class MLPCase:
         )
 
 
-OPTIMIZERS = ("SGD", "Adam", "AdamW")
+OPTIMIZERS = (
+    *("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta"),
+    *("ASGD", "Rprop", "Adafactor"),
+)
+"""Every ``torch.optim`` optimizer a training step drives (LBFGS needs a closure)."""
+CORE_OPTIMIZERS = ("SGD", "Adam", "AdamW")
+"""The optimizers every training property draws. The optimizer-parity properties (training
+under each layout against one device) draw all of ``OPTIMIZERS``; the state-dict, HSDP, TP
+and ZeRO properties keep to these until what the others met there is pinned (README)."""
 IMPLEMENTATIONS = ("default", "foreach", "fused")
+FUSED = ("SGD", "Adam", "AdamW", "Adagrad")
+"""The optimizers with a fused implementation on every device (torch.optim's ``fused``)."""
 LAYOUTS = ("fsdp", "hsdp", "fsdp_tp", "hsdp_tp", "ddp", "zero")
 TP_LAYOUTS = ("fsdp_tp", "hsdp_tp")
 """Layouts whose last mesh axis is tensor-parallel (a Colwise/Rowwise two-layer MLP)."""
@@ -76,6 +86,8 @@ class OptimConfig:
     def __post_init__(self) -> None:
         check_one_of("name", self.name, OPTIMIZERS)
         check_one_of("impl", self.impl, IMPLEMENTATIONS)
+        fused = f"an optimizer with a fused implementation, one of {FUSED!r}, where impl='fused'"
+        require(self.impl != "fused" or self.name in FUSED, "name", self.name, fused)
 
     def kwargs(self) -> dict[str, Any]:
         """Constructor keyword arguments (the first group's hyper-parameters; the lr as a

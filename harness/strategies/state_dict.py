@@ -18,7 +18,7 @@ from harness.cases.state_dict import (
     StateDictCase,
     TiedAfterForwardCase,
 )
-from harness.cases.training import OPTIMIZERS, TP_LAYOUTS
+from harness.cases.training import CORE_OPTIMIZERS, OPTIMIZERS, TP_LAYOUTS
 from harness.errors import check_int, check_one_of, check_subset, require
 from harness.strategies._common import (
     factorisations,
@@ -42,7 +42,7 @@ def state_dict_cases(
     *,
     layouts: Sequence[str] = SHARDED_LAYOUTS,
     steps: tuple[int, int] = (1, 2),
-    names: Sequence[str] = OPTIMIZERS,
+    names: Sequence[str] = CORE_OPTIMIZERS,
     reshard: bool = False,
     largest_dim: bool = False,
     offload: bool = False,

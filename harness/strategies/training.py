@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 
 from harness.cases.knobs import Knobs
 from harness.cases.training import (
+    CORE_OPTIMIZERS,
     FSDP_LAYOUTS,
+    FUSED,
     IMPLEMENTATIONS,
     LAYOUTS,
     OPTIMIZERS,
@@ -39,11 +41,16 @@ from harness.strategies._common import (
 from harness.strategies.knobs import KNOB_FAMILIES, draw_knobs, precisions
 from harness.strategies.placements import placements
 from specs.chunking import shard_sizes
+from specs.optimizers import OPTIMIZERS as MODELLED
 
-DTENSOR_UNSUPPORTED = frozenset({("SGD", "fused")})
-"""``(optimizer, implementation)`` pairs with no DTensor sharding strategy in torch 2.13
-(spec optim.fsdp.fused_sgd): not drawn where parameters are DTensors (``fully_shard``, TP);
-FSDP1's and DDP's parameters are plain tensors."""
+DTENSOR_UNSUPPORTED = frozenset(
+    {("SGD", "fused"), ("Adagrad", "fused")}
+    | {(name, impl) for name in ("Rprop", "Adafactor") for impl in ("default", "foreach")}
+)
+"""``(optimizer, implementation)`` pairs whose step torch 2.13's DTensor refuses (specs
+optim.fsdp.fused_sgd, optim.fsdp.fused_adagrad, optim.fsdp.rprop, optim.fsdp.adafactor):
+not drawn where parameters are DTensors (``fully_shard``, TP); FSDP1's and DDP's parameters
+are plain tensors."""
 
 
 @takes_world_size
@@ -93,15 +100,72 @@ def _adam_options(draw: st.DrawFn, decoupled: bool) -> tuple[tuple[str, Any], ..
     )
 
 
-def _options(name: str, stateful: bool) -> st.SearchStrategy[tuple[tuple[str, Any], ...]]:
+_Options = tuple[tuple[str, Any], ...]
+
+
+def _options(name: str, stateful: bool) -> st.SearchStrategy[_Options]:
     if name == "SGD":
         return _sgd_options((0.9,) if stateful else (0.0, 0.9))
-    return _adam_options(decoupled=name == "AdamW")
+    if name in ("Adam", "AdamW"):
+        return _adam_options(decoupled=name == "AdamW")
+    return _OTHER_OPTIONS[name]
+
+
+def _drawn(**choices: Sequence[Any]) -> st.SearchStrategy[_Options]:
+    """Each option one of its values (every value valid with every other)."""
+    return _each_of(tuple((name, tuple(values)) for name, values in choices.items()))
+
+
+@st.composite
+def _each_of(draw: st.DrawFn, choices: tuple[tuple[str, tuple[Any, ...]], ...]) -> _Options:
+    return tuple((name, draw(sampled(values))) for name, values in choices)
+
+
+_CAPTURABLE = ("Adam", "AdamW", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta", "ASGD", "Rprop")
+"""The optimizers with a ``capturable`` option."""
+_TENSOR_LR = ("SGD", "Adam", "AdamW")
+"""The optimizers whose tensor learning rate the properties draw (the others' docs do not
+say they take one)."""
+_DECAYS = (0.0, 0.01)
+_BOTH = (False, True)
+# Values near each option's default and one that changes the arithmetic visibly within a
+# few steps (a short t0 starts ASGD's averaging, a large momentum_decay NAdam's schedule).
+_OTHER_OPTIONS = {
+    "Adagrad": _drawn(
+        lr_decay=(0.0, 0.1), weight_decay=_DECAYS, initial_accumulator_value=(0.0, 0.1),
+        eps=(1e-10, 1e-6), maximize=_BOTH,
+    ),
+    "RMSprop": _drawn(
+        alpha=(0.99, 0.9), eps=(1e-8, 1e-6), weight_decay=_DECAYS, momentum=(0.0, 0.9),
+        centered=_BOTH, maximize=_BOTH,
+    ),
+    "Adamax": _drawn(
+        betas=((0.9, 0.999), (0.8, 0.99)), eps=(1e-8, 1e-6), weight_decay=_DECAYS, maximize=_BOTH,
+    ),
+    "NAdam": _drawn(
+        betas=((0.9, 0.999), (0.8, 0.99)), weight_decay=_DECAYS, momentum_decay=(0.004, 0.1),
+        decoupled_weight_decay=_BOTH, maximize=_BOTH,
+    ),
+    "RAdam": _drawn(
+        betas=((0.9, 0.999), (0.8, 0.99)), weight_decay=_DECAYS, decoupled_weight_decay=_BOTH,
+        maximize=_BOTH,
+    ),
+    "Adadelta": _drawn(rho=(0.9, 0.5), eps=(1e-6, 1e-4), weight_decay=_DECAYS, maximize=_BOTH),
+    "ASGD": _drawn(
+        lambd=(1e-4, 1e-2), alpha=(0.75, 0.5), t0=(1e6, 1.0), weight_decay=_DECAYS, maximize=_BOTH,
+    ),
+    "Rprop": _drawn(
+        etas=((0.5, 1.2), (0.3, 1.5)), step_sizes=((1e-6, 50.0), (1e-4, 1.0)), maximize=_BOTH,
+    ),
+    "Adafactor": _drawn(
+        beta2_decay=(-0.8, -0.5), d=(1.0, 2.0), weight_decay=_DECAYS, maximize=_BOTH,
+    ),
+}  # fmt: skip
 
 
 def optim_configs(
     *,
-    names: Sequence[str] = OPTIMIZERS,
+    names: Sequence[str] = CORE_OPTIMIZERS,
     impls: Sequence[str] = IMPLEMENTATIONS,
     unsupported: frozenset[tuple[str, str]] = frozenset(),
     stateful: bool = False,
@@ -109,17 +173,23 @@ def optim_configs(
     flags: bool = False,
     accelerator: bool = False,
 ) -> st.SearchStrategy[OptimConfig]:
-    """SGD / Adam / AdamW with valid hyper-parameters, a default, foreach or fused
-    implementation, sometimes a second parameter group with its own lr and weight decay, and
-    sometimes a StepLR. ``unsupported`` lists ``(name, impl)`` pairs not to draw;
-    ``stateful`` draws only optimizers that keep state (SGD with momentum);
+    """A ``torch.optim`` optimizer of ``names`` with valid hyper-parameters, a default,
+    foreach or fused (where it has one) implementation, sometimes a second parameter group
+    with its own lr and weight decay, and sometimes a StepLR. ``unsupported`` lists
+    ``(name, impl)`` pairs not to draw;
+    ``stateful`` draws only optimizers that keep state (SGD only with momentum);
     ``groups=False`` never draws a second group or a scheduler. ``flags=True`` also draws
-    Adam's ``capturable`` (fused kernels; every kernel if ``accelerator``: torch 2.13's
+    ``capturable`` (fused kernels; every kernel if ``accelerator``: torch 2.13's
     others refuse CPU tensors) and a tensor learning rate (not for foreach without
     ``capturable``, which torch refuses)."""
     check_subset("names", names, OPTIMIZERS, non_empty=True)
     check_subset("impls", impls, IMPLEMENTATIONS, non_empty=True)
-    pairs = tuple((n, i) for n in names for i in impls if (n, i) not in unsupported)
+    pairs = tuple(
+        (n, i)
+        for n in names
+        for i in impls
+        if (n, i) not in unsupported and (i != "fused" or n in FUSED)
+    )
     leaves_one = "pairs that leave some optimizer of names × impls to draw"
     require(bool(pairs), "unsupported", sorted(unsupported), leaves_one)
     return _optim_configs(pairs, stateful, groups, flags, accelerator)
@@ -145,9 +215,11 @@ def _optim_configs(
     options = draw(_options(name, stateful))
     tensor_lr = False
     if flags:
-        capturable = name != "SGD" and (impl == "fused" or accelerator) and draw(st.booleans())
+        takes = name in _CAPTURABLE and (impl == "fused" or accelerator)
+        capturable = takes and draw(st.booleans())
         options = (*options, ("capturable", True)) if capturable else options
-        tensor_lr = (impl != "foreach" or capturable) and draw(st.booleans())
+        tensor_lr = name in _TENSOR_LR and (impl != "foreach" or capturable)
+        tensor_lr = tensor_lr and draw(st.booleans())
     return OptimConfig(name, impl, lr, options, second, scheduler, tensor_lr=tensor_lr)
 
 
@@ -164,6 +236,7 @@ def parity_cases(
     one_rank_shard: bool = False,
     optim_flags: bool = False,
     accelerator: bool = False,
+    optimizers: Sequence[str] = CORE_OPTIMIZERS,
 ) -> st.SearchStrategy[ParityCase]:
     """A training run to compare under ``layout`` with one device.
 
@@ -184,7 +257,9 @@ def parity_cases(
     (``strategies.knobs.divides_twice``).
     ``optim_flags=True`` also draws a tensor learning rate and ``capturable`` where torch
     2.13 serves them (``capturable`` off the fused kernels only if ``accelerator``).
+    ``optimizers`` names the ``torch.optim`` optimizers to draw.
     """
+    check_subset("optimizers", optimizers, OPTIMIZERS, non_empty=True)
     check_one_of("layout", layout, LAYOUTS)
     check_subset("knob_families", knob_families, KNOB_FAMILIES)
     if focus is not None:
@@ -206,6 +281,7 @@ def parity_cases(
         one_rank_shard=one_rank_shard,
         optim_flags=optim_flags,
         accelerator=accelerator,
+        optimizers=tuple(optimizers),
     )
 
 
@@ -225,6 +301,7 @@ def _parity_cases(
     one_rank_shard: bool,
     optim_flags: bool,
     accelerator: bool,
+    optimizers: tuple[str, ...],
 ) -> ParityCase:
     shard = "many" if premul_sum else ("one" if one_rank_shard else None)
     mesh = _layout_mesh(draw, world_size, layout, shard)
@@ -266,7 +343,12 @@ def _parity_cases(
         batch_per_rank=micro_batches * draw(st.integers(1, 3)),
         dtype=dtype,
         optim=draw(
-            optim_configs(unsupported=unsupported, flags=optim_flags, accelerator=accelerator)
+            optim_configs(
+                names=optimizers,
+                unsupported=unsupported,
+                flags=optim_flags,
+                accelerator=accelerator,
+            )
         ),
         steps=draw(st.integers(1, 5)),
         precision=precision,
@@ -362,7 +444,8 @@ def step_cases(
 ) -> StepCase:
     """1-4 float32/float64 parameters of shapes near the mesh's axis sizes, as plain tensors
     or as DTensors laid out by Shard/Replicate placements (uneven and empty shards), and any
-    optimizer configuration (for DTensors none of the ``dtensor_unsupported`` pairs).
+    optimizer configuration of those ``specs.optimizers`` models (for DTensors none of the
+    ``dtensor_unsupported`` pairs).
     ``differentiable=True``: DTensors always, ``differentiable=True`` steps of the default
     kernels (torch's foreach and fused kernels refuse autograd), a tensor lr sometimes."""
     mesh = draw(mesh_shapes(world_size))
@@ -373,7 +456,7 @@ def step_cases(
         laid_out = tuple(draw(placements(len(mesh), len(s), reduce_ops=())) for s in drawn)
     unsupported = dtensor_unsupported if laid_out is not None else frozenset()
     impls = ("default",) if differentiable else IMPLEMENTATIONS
-    optim = draw(optim_configs(unsupported=unsupported, groups=False, impls=impls))
+    optim = draw(optim_configs(names=MODELLED, unsupported=unsupported, groups=False, impls=impls))
     if differentiable:
         # amsgrad: torch 2.13's differentiable Adam modifies exp_avg_sq in place after
         # autograd saved it (one device raises from the second step on): not drawn.
@@ -401,7 +484,7 @@ def params_cases(draw: st.DrawFn, world_size: int, *, momentum: bool = False) ->
         tuple(draw(st.integers(0, 5)) for _ in range(draw(st.integers(1, 2))))
         for _ in range(draw(st.integers(1, 6)))
     )
-    names = ("SGD",) if momentum else OPTIMIZERS
+    names = ("SGD",) if momentum else CORE_OPTIMIZERS
     return ParamsCase(
         shapes=shapes,
         optim=draw(optim_configs(names=names, stateful=momentum, groups=False)),
