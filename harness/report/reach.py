@@ -16,8 +16,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from harness.errors import ReportError, fail
+from harness.errors import ReportError
 from harness.outcome import outputs
+from harness.report import recorded
 from harness.torchkit import reach
 
 
@@ -68,20 +69,11 @@ def _share(part: int, whole: int) -> float:
 
 
 def files_in(directory: Path, name: str = "DIR") -> list[Path]:
-    """The reach files of ``directory`` (a run's output directory or its reach folder);
-    ``InvalidArgument`` on ``name`` where it is not a directory or holds none."""
-    if not directory.is_dir():
-        fail(name, str(directory), "a run's output directory or its reach folder (not found)")
-    folder = directory / outputs.REACH
-    found = sorted((folder if folder.is_dir() else directory).glob(reach.FILE_GLOB))
-    if not found:
-        fail(
-            name,
-            str(directory),
-            f"a run's output directory or its reach folder, with {reach.FILE_GLOB} files "
-            "(it has none: runs record them since `harness run` sets $DISTCONF_REACH_DIR)",
-        )
-    return found
+    """The reach files of ``directory`` (a run's output directory or its reach folder)."""
+    how = "runs record them since `harness run` sets $DISTCONF_REACH_DIR"
+    return recorded.files_in(
+        directory, folder=outputs.REACH, pattern=reach.FILE_GLOB, how=how, name=name
+    )
 
 
 def read(directories: Sequence[Path]) -> Dispatched:

@@ -27,7 +27,7 @@ from typing import Any
 
 from harness.errors import CatalogueError, ReportError, check_one_of, fail
 from harness.outcome import outputs
-from harness.report import surface_refused
+from harness.report import recorded, surface_refused
 from harness.torchkit import surface
 
 STATUSES = ("drawn", "fixed", "absent", "refused")
@@ -98,20 +98,11 @@ class Surface:
 
 
 def files_in(directory: Path, name: str = "DIR") -> list[Path]:
-    """The surface files of ``directory`` (a run's output directory or its surface folder);
-    ``InvalidArgument`` on ``name`` where it is not a directory or holds none."""
-    if not directory.is_dir():
-        fail(name, str(directory), "a run's output directory or its surface folder (not found)")
-    folder = directory / outputs.SURFACE
-    found = sorted((folder if folder.is_dir() else directory).glob(surface.FILE_GLOB))
-    if not found:
-        fail(
-            name,
-            str(directory),
-            f"a run's output directory or its surface folder, with {surface.FILE_GLOB} files "
-            "(it has none: a run records them with `harness run --surface`)",
-        )
-    return found
+    """The surface files of ``directory`` (a run's output directory or its surface folder)."""
+    how = "a run records them with `harness run --surface`"
+    return recorded.files_in(
+        directory, folder=outputs.SURFACE, pattern=surface.FILE_GLOB, how=how, name=name
+    )
 
 
 def read(directories: Sequence[Path]) -> Recorded:
@@ -244,12 +235,12 @@ def _listed(values: Counter[str], called: Called | None, option: surface.Option)
 
 def describe(figures: Surface, *, area: str | None = None) -> str:
     """The figures as ``python -m harness surface`` prints them."""
-    recorded = figures.recorded
+    seen = figures.recorded
     lines = [
         f"torch {figures.torch}: {len(figures.rows)} options of "
         f"{sum(total for _, total in figures.callables.values())} callables in scope",
-        f"surface files: {recorded.files} ({recorded.tests} tests), recorded on torch "
-        f"{', '.join(recorded.torch_versions) or 'unknown'}",
+        f"surface files: {seen.files} ({seen.tests} tests), recorded on torch "
+        f"{', '.join(seen.torch_versions) or 'unknown'}",
         "",
         *_totals(figures),
     ]
