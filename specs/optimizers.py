@@ -1,4 +1,5 @@
-"""Reference model of one ``torch.optim`` step of SGD, Adam and AdamW, on numpy arrays.
+"""Reference model of one ``torch.optim`` step on numpy arrays: SGD, Adam and AdamW here,
+the other adaptive optimizers in ``specs.adaptive_optimizers``.
 
 The update rules are the algorithms of the torch.optim documentation (the pseudo-code of
 ``SGD``, ``Adam`` and ``AdamW``), written once, element-wise and without any of torch's
@@ -21,14 +22,16 @@ from typing import Any
 import numpy as np
 
 from harness.errors import check_one_of, fail
-
-OPTIMIZERS = ("SGD", "Adam", "AdamW")
+from specs import adaptive_optimizers
 
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "SGD": {"momentum": 0.0, "dampening": 0.0, "nesterov": False, "weight_decay": 0.0},
     "Adam": {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False},
     "AdamW": {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False},
+    **adaptive_optimizers.DEFAULTS,
 }
+OPTIMIZERS = tuple(_DEFAULTS)
+"""The optimizers modelled: SGD, Adam, AdamW here, the others in ``adaptive_optimizers``."""
 _COMMON = {"lr", "maximize"}
 
 
@@ -54,11 +57,17 @@ class OptimizerModel:
             fail("len(grads)", len(grads), f"one grad per param, len(params)={len(params)}")
         while len(self.state) < len(params):
             self.state.append({})
-        rule = _sgd if self.name == "SGD" else _adam
         for param, grad, state in zip(params, grads, self.state, strict=False):
             if param.shape != grad.shape:
                 fail("grad.shape", grad.shape, f"the param's shape {param.shape}")
-            param[...] = rule(param, grad, state, self.name, self.lr, self.options)
+            param[...] = self._rule(param, grad, state)
+
+    def _rule(self, param: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> np.ndarray:
+        if self.name == "SGD":
+            return _sgd(param, grad, state, self.name, self.lr, self.options)
+        if self.name in ("Adam", "AdamW"):
+            return _adam(param, grad, state, self.name, self.lr, self.options)
+        return adaptive_optimizers.RULES[self.name](param, grad, state, self.lr, self.options)
 
 
 def _signed(grad: np.ndarray, options: Mapping[str, Any]) -> np.ndarray:
