@@ -71,13 +71,32 @@ def differentiable(key: str, dtype: str) -> bool:
     return bool(op_info(key).supports_autograd) and dtype in DTYPES
 
 
-@cache
+_samples: dict[tuple[str, str], tuple[Any, ...]] = {}
+
+
 def samples(key: str, dtype: str) -> tuple[Any, ...]:
     """The OpInfo's sample inputs in ``dtype`` on the CPU, the same in every process (shared:
-    callers copy the tensors they change). Leaves require grad where the op has autograd."""
+    callers copy the tensors they change). Leaves require grad where the op has autograd.
+
+    Made once per process, under the lock: a second maker would draw from the global
+    generator while the first's caller, a rank thread gone on, may already draw from it."""
     check_one_of("dtype", dtype, DTYPES)
     op = op_info(key)
-    with _lock, torch.random.fork_rng(devices=[]):
+    with _lock:
+        made = _samples.get((key, dtype))
+        if made is None:
+            made = _samples[key, dtype] = _made(op, key, dtype)
+        return made
+
+
+def forget_samples() -> None:
+    """Make every OpInfo's samples again at their next use."""
+    with _lock:
+        _samples.clear()
+
+
+def _made(op: Any, key: str, dtype: str) -> tuple[Any, ...]:
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_SAMPLE_SEED)
         return tuple(
             op.sample_inputs(
