@@ -111,14 +111,10 @@ def _options(name: str, stateful: bool) -> st.SearchStrategy[_Options]:
     return _OTHER_OPTIONS[name]
 
 
-def _drawn(**choices: Sequence[Any]) -> st.SearchStrategy[_Options]:
-    """Each option one of its values (every value valid with every other)."""
-    return _each_of(tuple((name, tuple(values)) for name, values in choices.items()))
-
-
 @st.composite
-def _each_of(draw: st.DrawFn, choices: tuple[tuple[str, tuple[Any, ...]], ...]) -> _Options:
-    return tuple((name, draw(sampled(values))) for name, values in choices)
+def _drawn(draw: st.DrawFn, /, **choices: Sequence[Any]) -> _Options:
+    """Each option one of its values (every value valid with every other)."""
+    return tuple((name, draw(sampled(tuple(values)))) for name, values in choices.items())
 
 
 _CAPTURABLE = ("Adam", "AdamW", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta", "ASGD", "Rprop")
