@@ -81,11 +81,10 @@ def samples(key: str, dtype: str) -> tuple[Any, ...]:
     Made once per process, under the lock: a second maker would draw from the global
     generator while the first's caller, a rank thread gone on, may already draw from it."""
     check_one_of("dtype", dtype, DTYPES)
-    op = op_info(key)
     with _lock:
         made = _samples.get((key, dtype))
         if made is None:
-            made = _samples[key, dtype] = _made(op, key, dtype)
+            made = _samples[key, dtype] = _made(key, dtype)
         return made
 
 
@@ -95,7 +94,8 @@ def forget_samples() -> None:
         _samples.clear()
 
 
-def _made(op: Any, key: str, dtype: str) -> tuple[Any, ...]:
+def _made(key: str, dtype: str) -> tuple[Any, ...]:
+    op = op_info(key)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_SAMPLE_SEED)
         return tuple(
