@@ -20,6 +20,7 @@ from sigint import default_sigint
 ROOT = Path(__file__).resolve().parent.parent
 
 ROWS = """
+import faulthandler
 import os
 import time
 
@@ -33,6 +34,15 @@ def test_dies(world):
         return ctx.rank
 
     world.run(body)
+
+
+def test_segfaults(world):
+    def segfault_on_rank_one(ctx):
+        if ctx.rank == 1:
+            faulthandler._sigsegv()
+        return ctx.rank
+
+    world.run(segfault_on_rank_one)
 
 
 @pytest.mark.skip(reason="checks nothing")
@@ -107,6 +117,17 @@ def test_a_passing_run_is_green_everywhere(tmp_path):
     assert code == 0, output[-3000:]
     assert "verdict: pass: All conformant" in output
     assert _verdicts(tmp_path / "out") == ("pass", "pass")
+    assert not list((tmp_path / "out").glob("*.fatal.txt"))  # kept only where a process died
+
+
+def test_a_segfault_in_a_rank_thread_is_a_crash_naming_where(tmp_path):
+    code, output = _run(tmp_path, select="segfaults", jobs="2")
+    assert code == 3, output[-3000:]
+    verdict = output.rstrip().splitlines()[-1]
+    assert "Crashed while running" in verdict and "test_segfaults[" in verdict, verdict
+    assert "Fatal Python error: Segmentation fault in segfault_on_rank_one" in verdict, verdict
+    fatal_logs = list((tmp_path / "out").glob("results.gw*.fatal.txt"))
+    assert len(fatal_logs) == 1 and "segfault_on_rank_one" in fatal_logs[0].read_text()
 
 
 BROKEN_PLUGIN = """

@@ -8,8 +8,8 @@
   second run is refused, naming the process that holds it. The kernel releases the lock when
   the last process holding it ends (the forked pytest child inherits it), so a crash never
   leaves a directory refused.
-- ``keep_earlier``: an earlier run's records, report, reach and surface folders moved to
-  ``OUT/earlier/<its start>/``.
+- ``keep_earlier``: an earlier run's records (with its fatal files), report, reach and
+  surface folders moved to ``OUT/earlier/<its start>/``.
 - ``results_of``: the results files one run wrote, told apart by the ``run_id`` of their header;
   ``with_its_workers``: a run's main results file and its xdist workers' files beside it.
 - ``write_whole``: a file written all or nothing (a temp beside it, renamed over it).
@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import ReportError, fail
+from harness.outcome import fatal
 from harness.outcome.results import read_results
 
 LOCK = ".distconf.lock"
@@ -137,6 +138,7 @@ def keep_earlier(out: Path) -> Path | None:
     ``out/earlier/<its start>/``, so that a new run never summarises them and never loses
     them; where they went."""
     earlier = sorted(out.glob(RESULTS_GLOB)) if out.is_dir() else []
+    fatal_logs = sorted(out.glob(fatal.GLOB)) if out.is_dir() else []
     if not earlier and not (out / REACH).exists() and not (out / SURFACE).exists():
         return None
     header = (read_results(earlier[0]).header if earlier else None) or {}
@@ -147,7 +149,7 @@ def keep_earlier(out: Path) -> Path | None:
         suffix += 1
         target = out / "earlier" / f"{stamp}-{suffix}"
     target.mkdir(parents=True)
-    for path in [*earlier, out / REPORT, out / REACH, out / SURFACE]:
+    for path in [*earlier, *fatal_logs, out / REPORT, out / REACH, out / SURFACE]:
         if path.exists():
             path.rename(target / path.name)
     print(f"distconf: the earlier run's records in {out} were moved to {target}")

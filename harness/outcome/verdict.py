@@ -40,9 +40,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from harness.outcome import triage
+from harness.outcome import fatal, triage
 from harness.outcome.results import SEVERITY, STATUSES, TITLES, Results
 
 EXIT_CODES = {
@@ -91,6 +92,8 @@ class FileState:
     """``Results.schema_problem``: why its records may mean otherwise."""
     killed: tuple[dict[str, Any], ...] = ()
     """``harness run`` killed the session: its test ran past the timeout (``killed``)."""
+    fatal: str | None = None
+    """What the fault handler wrote as the session's process died (``fatal.summary``)."""
 
     @classmethod
     def of(cls, path: str, results: Results) -> FileState:
@@ -101,6 +104,7 @@ class FileState:
             len(results.bad_lines),
             results.schema_problem,
             tuple(results.killed),
+            fatal.summary(Path(path)) if results.end is None else None,
         )
 
     @property
@@ -281,6 +285,7 @@ def _crash_headline(crashed: Sequence[FileState]) -> str:
     why = [f"no end record in {', '.join(died)}"] if died else []
     why += [f"{f.cut_short} in {f.path}" for f in crashed if f.cut_short]
     kills = "".join(f": {describe_kill(k)}" for f in crashed for k in f.killed)
+    kills += "".join(f": {f.fatal}" for f in crashed if f.fatal)
     if running:
         return f"Crashed while running {', '.join(running)} ({'; '.join(why)}){kills}"
     after = "the session died between tests" if died else "the run did not finish"

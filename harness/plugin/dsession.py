@@ -18,6 +18,7 @@ from hypothesis import settings
 
 from harness import forked
 from harness.config import RunConfig
+from harness.outcome import fatal
 from harness.outcome.results import ResultsWriter
 from harness.plugin import collection, deviations, gpus, options, recording, scheduling, state
 from harness.plugin.torch_noise import WarningCounter
@@ -36,6 +37,7 @@ class DistconfSession:
         self.run = run
         self.worlds = SessionWorlds(run)
         self.writer: ResultsWriter | None = None
+        self.fatal_log: fatal.FatalLog | None = None
         self.interrupted: str | None = None
         self.noise = WarningCounter()
         self._sigterm: forked.SignalHandler = None
@@ -60,6 +62,9 @@ class DistconfSession:
     # Not at configure time: hypothesis loads --hypothesis-profile in its own configure hook.
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         self.writer = recording.open_writer(self.config, self.run, self.backend)
+        # Only where tests run: a controller's file holds none, and its workers keep their own.
+        if self.writer is not None and not self.config.pluginmanager.has_plugin("dsession"):
+            self.fatal_log = fatal.FatalLog(self.writer.path)
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         self.worlds.close()
@@ -69,6 +74,8 @@ class DistconfSession:
             ending = self.worlds.end_fields() | recording.end_fields(self.config)
             self.writer.write_noise(self.noise.records())
             self.writer.close(exitstatus=int(exitstatus), interrupted=self.interrupted, **ending)
+        if self.fatal_log is not None:
+            self.fatal_log.close()
 
     def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
         """Ctrl-C, SIGINT, SIGTERM, or pytest stopping the session (a collection error): the
