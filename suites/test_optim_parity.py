@@ -18,6 +18,7 @@ from harness.strategies import (
     DTENSOR_UNSUPPORTED,
     FSDP_LAYOUTS,
     KNOB_FAMILIES,
+    clippings,
     optim_configs,
     parity_cases,
     step_cases,
@@ -66,6 +67,7 @@ def _check_layout(world: World, data: st.DataObject, layout: str) -> None:
             unsupported=unsupported,
             variants=True,
             optimizers=OPTIMIZERS,
+            lacks=world.lacks,
         ),
         label="case",
     )
@@ -280,7 +282,8 @@ def test_clip_inf_norm_with_an_empty_shard(world: World, data: st.DataObject) ->
     )
     # world size - 1 output features over world size ranks: the last rank holds no row
     dims = (*case.dims[:-1], world.world_size - 1)
-    case = replace(case, dims=dims, clip_norm=1.0, clip_norm_type=math.inf)
+    clipping = data.draw(clippings((math.inf,), by_value=False), label="clipping")
+    case = replace(case, dims=dims, clipping=clipping)
     _check(world, case)
 
 
@@ -325,13 +328,42 @@ def test_ddp_forwards_start_from_rank0s_buffers(world: World, data: st.DataObjec
     case = replace(case, micro_batches=1, sync_each_micro_batch=False)  # no_sync skips it
     parity.attach(f"DDP {case.call()}")
     seen = world.run(ddp_forward_buffers_on_rank, case)
+    options = dict(case.wrapper_options)
+    synced_at_start = options.get("broadcast_buffers", True)
+    synced_each_forward = options.get("forward_sync_buffers", synced_at_start)
     for rank, buffers in enumerate(seen):
+        # broadcast_buffers=False: each rank keeps its own (rank 0's shifted by its rank);
+        # forward_sync_buffers=False: rank 0's at construction only, then each rank's own.
+        start = seen[0][0] if synced_at_start else seen[0][0] + rank
+        assert_array_equal(buffers[0], start, what=f"running buffer on rank {rank} at first")
+        if not synced_each_forward:
+            continue
         for step, (got, want) in enumerate(zip(buffers, seen[0], strict=True)):
             assert_array_equal(  # a broadcast copies bits
                 got,
                 want,
                 what=f"running buffer at the start of forward {step} on rank {rank} (rank 0's)",
             )
+
+
+@pytest.mark.spec("optim.ddp.static_graph_no_sync")
+@PROPERTY
+@given(data=st.data())
+def test_ddp_static_graph_accumulates_like_one_device(world: World, data: st.DataObject) -> None:
+    case = data.draw(
+        parity_cases(world.world_size, layout="ddp", variants=True, lacks=world.lacks),
+        label="case",
+    )
+    rows = 2 * data.draw(st.integers(1, 2), label="rows per micro-batch")
+    options = {**dict(case.wrapper_options), "static_graph": True}
+    case = replace(
+        case,
+        batch_per_rank=rows,
+        micro_batches=2,
+        sync_each_micro_batch=False,
+        wrapper_options=tuple(options.items()),
+    )
+    _check(world, case)
 
 
 @pytest.mark.spec("optim.zero.parity")

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harness.cases.schedules import Schedule
 from harness.cases.state_dict import ResumeCase, StateDictCase
 from harness.cases.training import TP_LAYOUTS, OptimConfig, ParityCase
 from harness.strategies.state_dict import (
@@ -130,8 +131,9 @@ def _case(layout: str = "fsdp", **changes: object) -> StateDictCase:
 def test_state_dict_case_refuses_other_layouts_and_schedulers():
     with pytest.raises(ValueError, match=r"train.layout='ddp' must be one of"):
         _case("ddp")
-    scheduled = OptimConfig("SGD", "default", 0.1, scheduler=(1, 0.5))
-    with pytest.raises(ValueError, match=r"train.optim.scheduler=\(1, 0.5\) must be None"):
+    step_lr = Schedule("StepLR", (("gamma", 0.5), ("step_size", 1)))
+    scheduled = OptimConfig("SGD", "default", 0.1, scheduler=step_lr)
+    with pytest.raises(ValueError, match=r"train.optim.scheduler=Schedule\(name='StepLR'"):
         StateDictCase(replace(_case().train, optim=scheduled))
 
 

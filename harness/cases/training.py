@@ -8,7 +8,9 @@ from typing import Any
 
 import numpy as np
 
+from harness.cases.comm_hooks import CommHook
 from harness.cases.knobs import NO_KNOBS, Knobs, Precision
+from harness.cases.schedules import Clipping, Schedule
 from harness.errors import check_one_of, require
 from specs.placements import Placement
 
@@ -71,15 +73,15 @@ def shard_size(layout: str, mesh: tuple[int, ...]) -> int:
 @dataclass(frozen=True)
 class OptimConfig:
     """A ``torch.optim`` optimizer, its implementation and hyper-parameters, an optional
-    second parameter group (the biases) with other hyper-parameters, an optional StepLR."""
+    second parameter group (the biases) with other hyper-parameters, an optional lr
+    schedule."""
 
     name: str
     impl: str
     lr: float
     options: tuple[tuple[str, Any], ...] = ()
     second_group: tuple[tuple[str, Any], ...] | None = None
-    scheduler: tuple[int, float] | None = None
-    """``(step_size, gamma)`` of a ``StepLR``."""
+    scheduler: Schedule | None = None
     tensor_lr: bool = False
     """The learning rate given as a 0-d tensor (``lr=torch.tensor(lr)``)."""
 
@@ -103,7 +105,7 @@ class OptimConfig:
             kwargs["lr"] = f"tensor({self.lr})"
         options = ", ".join(f"{k}={v}" for k, v in kwargs.items())
         extra = f", biases: {dict(self.second_group)}" if self.second_group else ""
-        lr_steps = f", StepLR{self.scheduler}" if self.scheduler else ""
+        lr_steps = f", {self.scheduler.describe()}" if self.scheduler else ""
         return f"{self.name}({options}){extra}{lr_steps}"
 
 
@@ -129,10 +131,9 @@ class ParityCase:
     gradients accumulated without a gradient sync until the last one."""
     sync_each_micro_batch: bool = False
     """Sync (reduce) the gradients after every micro-batch, accumulating the reduced ones."""
-    clip_norm: float | None = None
-    """``clip_grad_norm_`` of all parameters to this total norm before each step."""
-    clip_norm_type: float = 2.0
-    """The norm ``clip_grad_norm_`` measures (2, 1 or inf)."""
+    clipping: Clipping | None = None
+    comm_hook: CommHook | None = None
+    """ddp, zero: the communication hook registered on the DDP model."""
     wrapper_options: tuple[tuple[str, Any], ...] = ()
     """Keyword arguments of the DDP constructor (ddp, zero) or of every ``fully_shard``."""
     knobs: Knobs = NO_KNOBS
@@ -150,6 +151,8 @@ class ParityCase:
             linears = len(self.dims) - 1
             count = len(self.precision.layer_dtypes)
             require(count == linears, "precision", self.precision, f"{linears} layer_dtypes")
+        hooked = self.comm_hook is None or self.layout in ("ddp", "zero")
+        require(hooked, "comm_hook", self.comm_hook, f"None for layout={self.layout!r}")
         if self.knobs != NO_KNOBS:
             require(sharded, "knobs", self.knobs, f"Knobs() for layout={self.layout!r}")
             self._check_knobs()
@@ -190,12 +193,10 @@ class ParityCase:
         precision += f", dropout {self.dropout}" if self.dropout else ""
         synced = ", each synced" if self.sync_each_micro_batch else ""
         micro = f" in {self.micro_batches} micro-batches{synced}" if self.micro_batches > 1 else ""
-        clip = (
-            f", clip_grad_norm_({self.clip_norm}, norm_type={self.clip_norm_type})"
-            if self.clip_norm is not None
-            else ""
-        )
+        clip = f", {self.clipping.describe()}" if self.clipping is not None else ""
         options = ", ".join(f"{k}={v}" for k, v in self.wrapper_options)
+        if self.comm_hook is not None:
+            options = (options + ", " if options else "") + self.comm_hook.describe()
         return (
             f"{self.layout}({options}{', ' if options else ''}mesh={self.mesh_shape}) "
             f"MLP{self.dims} bias={self.bias} "

@@ -62,6 +62,7 @@ from harness.strategies.programs import (
     inplace_on_partial_cases,
     program_cases,
 )
+from harness.strategies.schedules import clippings, schedules
 from harness.strategies.state_dict import (
     layout_meshes,
     mid_step_cases,
@@ -101,6 +102,7 @@ __all__ = [
     "MAX_MESH_NDIM",
     "MAX_SIDE",
     "class_counts",
+    "clippings",
     "container_cases",
     "distribute_cases",
     "dtypes",
@@ -149,6 +151,7 @@ __all__ = [
     "resume_cases",
     "save_load_cases",
     "scan_negative_dim_cases",
+    "schedules",
     "seeds",
     "shapes",
     "shard_dim_cases",

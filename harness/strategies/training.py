@@ -10,6 +10,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from harness.cases.comm_hooks import LOSSLESS
 from harness.cases.knobs import Knobs
 from harness.cases.training import (
     CORE_OPTIMIZERS,
@@ -31,6 +32,7 @@ from harness.cases.training import (
 )
 from harness.errors import check_int, check_one_of, check_subset, fail, require
 from harness.strategies._common import (
+    Lacks,
     factorisations,
     mesh_shapes,
     sampled,
@@ -38,8 +40,10 @@ from harness.strategies._common import (
     shapes,
     takes_world_size,
 )
+from harness.strategies.comm_hooks import comm_hooks
 from harness.strategies.knobs import KNOB_FAMILIES, draw_knobs, precisions
 from harness.strategies.placements import placements
+from harness.strategies.schedules import clippings, schedules
 from specs.chunking import shard_sizes
 from specs.optimizers import OPTIMIZERS as MODELLED
 
@@ -171,7 +175,8 @@ def optim_configs(
 ) -> st.SearchStrategy[OptimConfig]:
     """A ``torch.optim`` optimizer of ``names`` with valid hyper-parameters, a default,
     foreach or fused (where it has one) implementation, sometimes a second parameter group
-    with its own lr and weight decay, and sometimes a StepLR. ``unsupported`` lists
+    with its own lr and weight decay, and sometimes an lr schedule
+    (``strategies.schedules``). ``unsupported`` lists
     ``(name, impl)`` pairs not to draw;
     ``stateful`` draws only optimizers that keep state (SGD only with momentum);
     ``groups=False`` never draws a second group or a scheduler. ``flags=True`` also draws
@@ -207,7 +212,7 @@ def _optim_configs(
     if groups and draw(st.booleans()):
         second = (("lr", lr / 2), ("weight_decay", draw(sampled((0.0, 0.05)))))
     if groups:
-        scheduler = draw(st.none() | st.tuples(sampled((1, 2)), sampled((0.5, 0.9))))
+        scheduler = draw(st.none() | schedules(name))
     options = draw(_options(name, stateful))
     tensor_lr = False
     if flags:
@@ -233,6 +238,7 @@ def parity_cases(
     optim_flags: bool = False,
     accelerator: bool = False,
     optimizers: Sequence[str] = CORE_OPTIMIZERS,
+    lacks: Lacks = frozenset(),
 ) -> st.SearchStrategy[ParityCase]:
     """A training run to compare under ``layout`` with one device.
 
@@ -242,8 +248,11 @@ def parity_cases(
     the TP degree divides (torch 2.13 fails otherwise: spec tp.mlp.uneven_hidden checks
     that separately). ``variants=True`` also draws 1 or 2 micro-batches per step
     (gradients accumulated without sync until the last, or synced after each), a
-    ``clip_grad_norm_`` bound of the 2-, 1- or inf-norm and wrapper options (DDP bucketing;
-    ``fully_shard``'s ``reshard_after_forward``). ``mixed_precision=True`` draws a
+    gradient clipping (``strategies.schedules.clippings``: by the 2-, 1- or inf-norm, or
+    by value) and wrapper options (DDP bucketing;
+    ``fully_shard``'s ``reshard_after_forward``), and for ddp/zero a lossless comm hook
+    (``strategies.comm_hooks``) and ``static_graph``, ``find_unused_parameters``,
+    ``broadcast_buffers``. ``mixed_precision=True`` draws a
     ``MixedPrecisionPolicy`` per module (``strategies.knobs.precisions``).
 
     ``knob_families`` names the families of ``strategies.knobs.KNOB_FAMILIES`` to draw (each
@@ -253,7 +262,9 @@ def parity_cases(
     (``strategies.knobs.divides_twice``).
     ``optim_flags=True`` also draws a tensor learning rate and ``capturable`` where torch
     2.13 serves them (``capturable`` off the fused kernels only if ``accelerator``).
-    ``optimizers`` names the ``torch.optim`` optimizers to draw.
+    ``optimizers`` names the ``torch.optim`` optimizers to draw. ``lacks`` (``World.lacks``):
+    without ``generator.per_rank`` no PowerSGD hook, whose random projections must be the
+    same on every rank.
     """
     check_subset("optimizers", optimizers, OPTIMIZERS, non_empty=True)
     check_one_of("layout", layout, LAYOUTS)
@@ -278,6 +289,7 @@ def parity_cases(
         optim_flags=optim_flags,
         accelerator=accelerator,
         optimizers=tuple(optimizers),
+        lacks=lacks,
     )
 
 
@@ -298,6 +310,7 @@ def _parity_cases(
     optim_flags: bool,
     accelerator: bool,
     optimizers: tuple[str, ...],
+    lacks: Lacks,
 ) -> ParityCase:
     shard = "many" if premul_sum else ("one" if one_rank_shard else None)
     mesh = _layout_mesh(draw, world_size, layout, shard)
@@ -326,11 +339,17 @@ def _parity_cases(
         )
         micro_batches = max(micro_batches, knob_micro)
     sync_each = micro_batches > 1 and (turned.hold_all_reduce or draw(st.booleans()))
-    clip_norm = draw(sampled((None, 1.0, 0.05))) if variants else None
-    clip_norm_type = 2.0
-    if clip_norm is not None:
-        clip_norm_type = draw(sampled(_clip_norm_types(layout, mesh, tuple(dims))))
-    wrapper_options = _wrapper_options(draw, layout) if variants else ()
+    clipping = None
+    if variants:
+        clipping = draw(st.none() | clippings(_clip_norm_types(layout, mesh, tuple(dims))))
+    accumulates = micro_batches > 1 and not sync_each
+    wrapper_options = _wrapper_options(draw, layout, accumulates) if variants else ()
+    comm_hook = None
+    if variants and layout in ("ddp", "zero"):
+        seeded = "generator.per_rank" not in lacks
+        names = LOSSLESS if seeded else ("allreduce",)
+        several = dict(wrapper_options).get("bucket_cap_mb") == _BUCKET_PER_PARAMETER
+        comm_hook = draw(st.none() | comm_hooks(names, several_buckets=several))
     return ParityCase(
         layout=layout,
         mesh_shape=mesh,
@@ -351,9 +370,9 @@ def _parity_cases(
         seed=draw(seeds()),
         micro_batches=micro_batches,
         sync_each_micro_batch=sync_each,
-        clip_norm=clip_norm,
-        clip_norm_type=clip_norm_type,
+        clipping=clipping,
         wrapper_options=wrapper_options,
+        comm_hook=comm_hook,
         knobs=turned,
     )
 
@@ -361,7 +380,7 @@ def _parity_cases(
 def _clip_norm_types(
     layout: str, mesh: tuple[int, ...], dims: tuple[int, ...]
 ) -> tuple[float, ...]:
-    """The norms ``clip_grad_norm_`` may measure: the inf-norm only where no rank's piece of
+    """The norms a clipping may measure: the inf-norm only where no rank's piece of
     a gradient is empty, which torch 2.13 cannot take the maximum of (spec
     optim.fsdp.clip_inf_norm_empty_shard checks that on its own). fully_shard splits dim 0
     (the output features) over the shard axis; TP layouts' pieces are not modelled here."""
@@ -375,12 +394,30 @@ def _clip_norm_types(
     return (2.0, 1.0, math.inf)
 
 
-def _wrapper_options(draw: st.DrawFn, layout: str) -> tuple[tuple[str, Any], ...]:
+_BUCKET_PER_PARAMETER = 1e-5
+"""A DDP ``bucket_cap_mb`` that puts every parameter in a bucket of its own."""
+
+
+_BUFFER_SYNC_NAMES = ("forward_sync_buffers", "broadcast_buffers")
+_buffer_syncs = sampled(
+    ((), *(((name, on),) for name in _BUFFER_SYNC_NAMES for on in (True, False)))
+)
+"""DDP's buffer syncs: the defaults, ``forward_sync_buffers``, or its deprecated spelling
+``broadcast_buffers``, whose False also skips the sync at construction."""
+
+
+def _wrapper_options(
+    draw: st.DrawFn, layout: str, accumulates: bool
+) -> tuple[tuple[str, Any], ...]:
+    """DDP's: ``static_graph`` only where no micro-batch skips the sync (``accumulates``;
+    torch 2.13 fails that, spec optim.ddp.static_graph_no_sync checks it on its own)."""
     if layout in ("ddp", "zero"):
-        # 1e-5 MB puts every parameter in a bucket of its own
         return (
             ("gradient_as_bucket_view", draw(st.booleans())),
-            ("bucket_cap_mb", draw(sampled((25.0, 1e-5)))),
+            ("bucket_cap_mb", draw(sampled((25.0, _BUCKET_PER_PARAMETER)))),
+            ("static_graph", not accumulates and draw(st.booleans())),
+            ("find_unused_parameters", draw(st.booleans())),
+            *draw(_buffer_syncs),
         )
     return (("reshard_after_forward", draw(st.booleans())),)
 

@@ -21,6 +21,7 @@ from harness.cases.training import OptimConfig, ParityCase
 from harness.torchkit import devices
 from harness.torchkit.dtensor import tensor_from, to_numpy, torch_dtype
 from harness.torchkit.models import build_mlp
+from harness.torchkit.schedules import build_scheduler, clip_gradients
 
 
 def param_groups(model: nn.Module, config: OptimConfig) -> list[dict[str, Any]]:
@@ -52,15 +53,6 @@ def build_optimizer(config: OptimConfig, groups: list[dict[str, Any]]) -> torch.
     cls = getattr(torch.optim, config.name)
     optimizer: torch.optim.Optimizer = cls(groups, **optimizer_kwargs(config))
     return optimizer
-
-
-def build_scheduler(
-    config: OptimConfig, optimizer: torch.optim.Optimizer
-) -> torch.optim.lr_scheduler.StepLR | None:
-    if config.scheduler is None:
-        return None
-    step_size, gamma = config.scheduler
-    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=step_size, gamma=gamma)
 
 
 def step_batch(case: ParityCase, step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -124,10 +116,7 @@ def reference_run(case: ParityCase, build: ModelBuilder = build_mlp) -> Trained:
             loss.backward()  # type: ignore[no-untyped-call]
             losses.append(loss.item())
             _scale_grads(model, case.gradient_scale)
-        if case.clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_(
-                model.parameters(), case.clip_norm, norm_type=case.clip_norm_type
-            )
+        clip_gradients(model.parameters(), case.clipping)
         optimizer.step()
         if scheduler is not None:
             scheduler.step()

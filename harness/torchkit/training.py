@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from harness.cases.meshes import MeshCase
 from harness.cases.training import TP_LAYOUTS, ParityCase
+from harness.torchkit import comm_hooks
 from harness.torchkit.context import RankContext
 from harness.torchkit.dtensor import full_array, tensor_from
 from harness.torchkit.fsdp_knobs import (
@@ -38,7 +39,6 @@ from harness.torchkit.fsdp_knobs import (
 from harness.torchkit.optim import (
     Trained,
     build_optimizer,
-    build_scheduler,
     loss_of,
     named_full_params,
     optimizer_kwargs,
@@ -46,6 +46,7 @@ from harness.torchkit.optim import (
     rows_of,
     step_batch,
 )
+from harness.torchkit.schedules import build_scheduler, clip_gradients
 
 
 def train_steps(
@@ -87,7 +88,7 @@ def train_step(
 ) -> float:
     """One optimizer step on this data-parallel rank's rows of batch ``step``, in
     ``case.micro_batches`` parts (the gradient sync only on the last, or on each if
-    ``case.sync_each_micro_batch``), clipped to ``case.clip_norm`` when set; its loss (the
+    ``case.sync_each_micro_batch``), clipped as ``case.clipping`` says; its loss (the
     mean over its rows)."""
     inputs, targets = step_batch(case, step)
     rows = rows_of(case, dp_rank)
@@ -102,10 +103,7 @@ def train_step(
             loss = loss_of(output, tensor_from(targets[part], case.dtype, device)) / len(parts)
             loss.backward()  # type: ignore[no-untyped-call]
         total += loss.item()
-    if case.clip_norm is not None:
-        torch.nn.utils.clip_grad_norm_(
-            wrapped.parameters(), case.clip_norm, norm_type=case.clip_norm_type
-        )
+    clip_gradients(wrapped.parameters(), case.clipping)
     optimizer.step()
     after_step(wrapped, case)
     return total
@@ -120,7 +118,9 @@ def parallelize(
     ``offload_policy``, ``shard_placement_fn``)."""
     if case.layout in ("ddp", "zero"):
         _start_apart(model, ctx.rank)
-        return DistributedDataParallel(model, **dict(case.wrapper_options)), ctx.rank
+        ddp = DistributedDataParallel(model, **dict(case.wrapper_options))
+        comm_hooks.register(ddp, case.comm_hook)
+        return ddp, ctx.rank
     if case.layout in TP_LAYOUTS:
         return model, _tensor_parallel(model, case, ctx, fsdp_options)
     names = ("replicate", "shard") if case.layout == "hsdp" else None

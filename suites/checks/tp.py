@@ -34,11 +34,11 @@ from harness.torchkit.dtensor import (
 from harness.torchkit.models import Transformer, build_mlp, build_tied, build_transformer
 from harness.torchkit.optim import (
     build_optimizer,
-    build_scheduler,
     loss_of,
     param_groups,
     step_batch,
 )
+from harness.torchkit.schedules import build_scheduler
 from specs.loss_parallel import Rejected, target_placements
 from specs.placements import Placement
 

@@ -1,0 +1,144 @@
+"""Strategies for what a training step does around ``optimizer.step()``: lr schedules and
+gradient clipping (``cases.schedules``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from functools import cache
+from typing import Any
+
+from hypothesis import strategies as st
+
+from harness.cases.schedules import CLIPS, LR_LAMBDAS, MOMENTUM_CYCLED, Clipping, Schedule
+from harness.cases.training import OPTIMIZERS
+from harness.errors import check_int, check_one_of, check_subset
+from harness.strategies._common import sampled
+
+Options = tuple[tuple[str, Any], ...]
+NORM_TYPES = (2.0, 1.0, math.inf)
+
+
+def schedules(optimizer: str, *, steps: int = 5) -> st.SearchStrategy[Schedule]:
+    """A scheduler of ``cases.schedules.SCHEDULERS`` for ``optimizer`` (``OneCycleLR``
+    cycles its momentum only where it has one) that can be stepped ``steps`` times."""
+    check_one_of("optimizer", optimizer, OPTIMIZERS)
+    check_int("steps", steps)
+    return _schedules(optimizer in MOMENTUM_CYCLED, steps)
+
+
+@cache
+def _schedules(has_momentum: bool, steps: int) -> st.SearchStrategy[Schedule]:
+    simple = _simple()
+    return st.one_of(
+        simple,
+        st.builds(_sequential, st.lists(simple, min_size=2, max_size=2), sampled((1, 2))),
+        _one_cycle(has_momentum, steps),
+        _plateau(),
+    )
+
+
+def _schedule(name: str, **options: st.SearchStrategy[Any]) -> st.SearchStrategy[Schedule]:
+    return st.fixed_dictionaries(options).map(
+        lambda drawn: Schedule(name, tuple(sorted(drawn.items())))
+    )
+
+
+def _simple() -> st.SearchStrategy[Schedule]:
+    """The schedulers that take nothing but the optimizer and their own numbers."""
+    gamma = sampled((0.5, 0.9))
+    milestones = st.lists(sampled((1, 2, 3)), min_size=1, max_size=3, unique=True)
+    return st.one_of(
+        _schedule("StepLR", step_size=sampled((1, 2)), gamma=gamma),
+        _schedule("MultiStepLR", milestones=milestones.map(sorted).map(tuple), gamma=gamma),
+        _schedule("ConstantLR", factor=sampled((0.5, 0.25)), total_iters=sampled((1, 3))),
+        _schedule(
+            "LinearLR",
+            start_factor=sampled((0.25, 1.0)),
+            end_factor=sampled((1.0, 0.5)),
+            total_iters=sampled((2, 4)),
+        ),
+        _schedule("ExponentialLR", gamma=gamma),
+        _schedule("CosineAnnealingLR", T_max=sampled((2, 5)), eta_min=sampled((0.0, 0.001))),
+        _schedule("LambdaLR", lr_lambda=sampled(LR_LAMBDAS)),
+    )
+
+
+def _sequential(parts: list[Schedule], milestone: int) -> Schedule:
+    return Schedule("SequentialLR", (("milestones", (milestone,)),), tuple(parts))
+
+
+def _one_cycle(has_momentum: bool, steps: int) -> st.SearchStrategy[Schedule]:
+    """``OneCycleLR`` over more than ``steps`` steps and never under 5: given as
+    ``total_steps`` or as epochs × steps per epoch. (torch 2.13 goes on past the cycle's last
+    step to a negative lr; over fewer steps a phase may span none, and it divides by the
+    phase's length: ZeroDivisionError.)"""
+    shortest = max(steps + 1, 5)
+    length = st.one_of(
+        st.fixed_dictionaries({"total_steps": sampled((shortest, shortest + 3))}),
+        st.fixed_dictionaries(
+            {"epochs": st.just(2), "steps_per_epoch": sampled((shortest // 2 + 1, shortest))}
+        ),
+    )
+    momenta = sampled(((0.85, 0.95), (0.8, 0.9)))
+    options = st.fixed_dictionaries(
+        {
+            "max_lr": sampled((0.1, 0.05)),
+            "pct_start": sampled((0.3, 0.5)),
+            "anneal_strategy": sampled(("cos", "linear")),
+            "cycle_momentum": st.booleans() if has_momentum else st.just(False),
+            "momenta": momenta,
+            "div_factor": sampled((25.0, 4.0)),
+            "final_div_factor": sampled((1e4, 10.0)),
+            "three_phase": st.booleans(),
+        }
+    )
+    return st.builds(_one_cycle_of, length, options)
+
+
+def _one_cycle_of(length: dict[str, int], options: dict[str, Any]) -> Schedule:
+    base, top = options.pop("momenta")
+    drawn = {**length, **options, "base_momentum": base, "max_momentum": top}
+    return Schedule("OneCycleLR", tuple(sorted(drawn.items())))
+
+
+def _plateau() -> st.SearchStrategy[Schedule]:
+    return _schedule(
+        "ReduceLROnPlateau",
+        mode=sampled(("min", "max")),
+        factor=sampled((0.5, 0.1)),
+        patience=sampled((0, 1)),
+        threshold=sampled((1e-4, 0.1)),
+        threshold_mode=sampled(("rel", "abs")),
+        cooldown=sampled((0, 1)),
+        min_lr=sampled((0.0, 0.01)),
+        eps=sampled((1e-8, 1e-3)),
+    )
+
+
+def clippings(
+    norm_types: Sequence[float] = NORM_TYPES, *, by_value: bool = True
+) -> st.SearchStrategy[Clipping]:
+    """Gradient clipping by ``clip_grad_norm_``, by ``get_total_norm`` then
+    ``clip_grads_with_norm_``, of a norm of ``norm_types``, or (``by_value``) by
+    ``clip_grad_value_``; ``foreach`` unset, on or off; ``error_if_nonfinite`` either way
+    (the gradients are finite: it only adds the check)."""
+    check_subset("norm_types", norm_types, NORM_TYPES, non_empty=True)
+    return _clippings(tuple(norm_types), by_value)
+
+
+@cache
+def _clippings(norm_types: tuple[float, ...], by_value: bool) -> st.SearchStrategy[Clipping]:
+    foreach = sampled((None, True, False))
+    by_norm = st.builds(
+        Clipping,
+        how=sampled(tuple(how for how in CLIPS if how != "value")),
+        bound=sampled((1.0, 0.05)),
+        norm_type=sampled(norm_types),
+        foreach=foreach,
+        error_if_nonfinite=st.booleans(),
+    )
+    if not by_value:
+        return by_norm
+    value = st.builds(Clipping, how=st.just("value"), bound=sampled((0.1, 0.01)), foreach=foreach)
+    return by_norm | value

@@ -1,0 +1,83 @@
+"""The lr schedule and the gradient clipping of a training step (``cases.schedules``), as
+torch builds and applies them: the same calls on one device and on every rank."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from harness.cases.schedules import Clipping, Schedule
+from harness.cases.training import OptimConfig
+
+_NO_IMPROVEMENT = 1.0
+"""The metric ``ReduceLROnPlateau`` is stepped with: the same every step, so none after the
+first improves on it."""
+
+
+def _inverse_step(step: int) -> float:
+    return 1.0 / (step + 1)
+
+
+def _halve_after_two(step: int) -> float:
+    return 1.0 if step < 2 else 0.5
+
+
+LR_LAMBDAS: dict[str, Callable[[int], float]] = {
+    "inverse_step": _inverse_step,
+    "halve_after_two": _halve_after_two,
+}
+
+
+class Scheduled:
+    """A built scheduler and how it is stepped after each optimizer step."""
+
+    def __init__(self, scheduler: Any, *, plateau: bool) -> None:
+        self.scheduler = scheduler
+        self._plateau = plateau
+
+    def step(self) -> None:
+        if self._plateau:
+            self.scheduler.step(_NO_IMPROVEMENT)
+        else:
+            self.scheduler.step()
+
+
+def build_scheduler(config: OptimConfig, optimizer: torch.optim.Optimizer) -> Scheduled | None:
+    """The scheduler of ``config.scheduler`` over ``optimizer``, or None."""
+    if config.scheduler is None:
+        return None
+    plateau = config.scheduler.name == "ReduceLROnPlateau"
+    return Scheduled(_build(config.scheduler, optimizer), plateau=plateau)
+
+
+def _build(schedule: Schedule, optimizer: torch.optim.Optimizer) -> Any:
+    cls = getattr(torch.optim.lr_scheduler, schedule.name)
+    options = dict(schedule.options)
+    if "lr_lambda" in options:
+        options["lr_lambda"] = LR_LAMBDAS[options["lr_lambda"]]
+    if schedule.parts:
+        options["schedulers"] = [_build(part, optimizer) for part in schedule.parts]
+    return cls(optimizer, **options)
+
+
+def clip_gradients(parameters: Iterable[torch.Tensor], clipping: Clipping | None) -> None:
+    """Clip the gradients of ``parameters`` as ``clipping`` says (nothing for None)."""
+    if clipping is None:
+        return
+    params = list(parameters)
+    if clipping.how == "value":
+        torch.nn.utils.clip_grad_value_(params, clipping.bound, foreach=clipping.foreach)
+        return
+    norm_type, nonfinite, foreach = (
+        clipping.norm_type,
+        clipping.error_if_nonfinite,
+        clipping.foreach,
+    )
+    if clipping.how == "norm":
+        torch.nn.utils.clip_grad_norm_(params, clipping.bound, norm_type, nonfinite, foreach)
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type, nonfinite, foreach)
+    torch.nn.utils.clip_grads_with_norm_(params, clipping.bound, total, foreach=clipping.foreach)

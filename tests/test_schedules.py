@@ -1,0 +1,105 @@
+"""The lr schedules and gradient clippings a training step draws: cases refuse what torch
+would, strategies draw only what torch builds, and the clippings do what torch's do."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harness.cases.schedules import MOMENTUM_CYCLED, Clipping, Schedule
+from harness.cases.training import OPTIMIZERS, OptimConfig
+from harness.strategies import clippings, schedules
+from harness.torchkit.optim import build_optimizer
+from harness.torchkit.schedules import build_scheduler, clip_gradients
+
+
+def test_a_schedule_refuses_an_unknown_scheduler_and_misplaced_parts():
+    with pytest.raises(ValueError, match=r"name='CyclicLR' must be one of \('StepLR'"):
+        Schedule("CyclicLR")
+    step = Schedule("StepLR", (("step_size", 1),))
+    with pytest.raises(ValueError, match=r"parts=.* must be \(\) unless SequentialLR"):
+        Schedule("StepLR", parts=(step,))
+    with pytest.raises(ValueError, match="one more than the milestones, at least two"):
+        Schedule("SequentialLR", (("milestones", (1, 2)),), (step, step))
+
+
+def test_a_clipping_refuses_a_bound_and_norm_options_it_cannot_take():
+    with pytest.raises(ValueError, match="bound=0 must be > 0"):
+        Clipping(how="norm", bound=0)
+    with pytest.raises(ValueError, match="how='value' must be a norm clip where norm options"):
+        Clipping(how="value", bound=0.1, norm_type=1.0)
+    with pytest.raises(ValueError, match=r"how='both' must be one of \('norm', 'value'"):
+        Clipping(how="both", bound=1.0)
+
+
+def test_schedules_refuse_an_unknown_optimizer():
+    with pytest.raises(ValueError, match=r"optimizer='LBFGS' must be one of \('SGD'"):
+        schedules("LBFGS")
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), name=st.sampled_from(OPTIMIZERS), steps=st.integers(1, 5))
+def test_every_drawn_schedule_builds_and_steps_as_often_as_asked(data, name, steps):
+    schedule = data.draw(schedules(name, steps=steps))
+    if schedule.name == "OneCycleLR" and name not in MOMENTUM_CYCLED:
+        assert dict(schedule.options)["cycle_momentum"] is False
+    param = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    optimizer = build_optimizer(OptimConfig(name, "default", 0.1), [{"params": [param]}])
+    scheduled = build_scheduler(OptimConfig(name, "default", 0.1, scheduler=schedule), optimizer)
+    assert scheduled is not None
+    for _ in range(steps):
+        param.grad = torch.ones_like(param)
+        optimizer.step()
+        scheduled.step()
+    assert all(group["lr"] >= 0 for group in optimizer.param_groups)
+
+
+def test_a_plateau_schedule_cuts_the_lr_once_its_metric_stops_improving():
+    param = torch.nn.Parameter(torch.ones(1))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    schedule = Schedule("ReduceLROnPlateau", (("factor", 0.5), ("patience", 0)))
+    scheduled = build_scheduler(OptimConfig("SGD", "default", 1.0, scheduler=schedule), optimizer)
+    assert scheduled is not None
+    lrs = []
+    for _ in range(3):
+        scheduled.step()
+        lrs.append(optimizer.param_groups[0]["lr"])
+    assert lrs == [1.0, 0.5, 0.25]
+
+
+def _with_grads(values: list[list[float]]) -> list[torch.nn.Parameter]:
+    params = [torch.nn.Parameter(torch.zeros(len(v), dtype=torch.float64)) for v in values]
+    for param, grad in zip(params, values, strict=True):
+        param.grad = torch.tensor(grad, dtype=torch.float64)
+    return params
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+@pytest.mark.parametrize("foreach", [None, True, False])
+def test_a_total_norm_handed_on_clips_as_clip_grad_norm_does(norm_type, foreach):
+    values = [[3.0, -4.0], [12.0]]
+    split = _with_grads(values)
+    clip_gradients(
+        split, Clipping(how="total_norm", bound=1.0, norm_type=norm_type, foreach=foreach)
+    )
+    whole = _with_grads(values)
+    torch.nn.utils.clip_grad_norm_(whole, 1.0, norm_type=norm_type)
+    for got, want in zip(split, whole, strict=True):
+        assert got.grad is not None and want.grad is not None
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=0)  # the same kernels
+
+
+def test_a_value_clipping_clamps_every_element():
+    params = _with_grads([[0.5, -0.05], [-2.0]])
+    clip_gradients(params, Clipping(how="value", bound=0.1))
+    assert [p.grad.tolist() for p in params if p.grad is not None] == [[0.1, -0.05], [-0.1]]
+
+
+@settings(max_examples=50, deadline=None)
+@given(clipping=clippings((2.0, 1.0), by_value=False))
+def test_clippings_without_values_never_draw_one_by_value(clipping):
+    assert clipping.how != "value" and clipping.norm_type in (2.0, 1.0)
