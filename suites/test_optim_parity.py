@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness import World, parity
+from harness.cases.comm_hooks import ROUNDING
 from harness.cases.training import OPTIMIZERS, ParityCase
 from harness.parity import assert_array_equal, assert_close, assert_equal_values
 from harness.profiles import costly, property_settings
@@ -19,11 +20,13 @@ from harness.strategies import (
     FSDP_LAYOUTS,
     KNOB_FAMILIES,
     clippings,
+    comm_hooks,
     optim_configs,
     parity_cases,
     step_cases,
 )
 from harness.torchkit.optim import describe_reference, reference_run
+from suites.checks.ddp_hooks import assert_within_rounding, hooked_grads_on_rank, rounded_mean
 from suites.checks.training import (
     assert_same_training,
     assert_trained_like,
@@ -343,6 +346,31 @@ def test_ddp_forwards_start_from_rank0s_buffers(world: World, data: st.DataObjec
                 got,
                 want,
                 what=f"running buffer at the start of forward {step} on rank {rank} (rank 0's)",
+            )
+
+
+@pytest.mark.spec("optim.ddp.compress_hooks")
+@PROPERTY
+@given(data=st.data())
+def test_ddp_compress_hooks_round_the_mean_gradient(world: World, data: st.DataObject) -> None:
+    case = data.draw(parity_cases(world.world_size, layout="ddp", variants=True), label="case")
+    # torch 2.13 refuses the bf16 hooks but over NCCL (CUDA 11+) or XCCL: TypeError
+    names = ROUNDING if world.device != "cpu" else tuple(n for n in ROUNDING if "fp16" in n)
+    hook = data.draw(comm_hooks(names), label="hook")
+    case = replace(case, dtype="float32", steps=1, micro_batches=1, comm_hook=hook)
+    parity.attach(f"one backward of {case.call()}")
+    assert hook.dtype is not None
+    want = rounded_mean(case, hook.dtype)
+    parity.note_reference(f"each rank's float32 gradient rounded to {hook.dtype} on one device")
+    seen = world.run(hooked_grads_on_rank, case)
+    for rank, grads in enumerate(seen):
+        assert_equal_values(sorted(grads), sorted(want.sums), what=f"gradients on rank {rank}")
+        for name, got in grads.items():
+            # an all-reduce hands every rank the same bits
+            assert_array_equal(got, seen[0][name], what=f"{name}.grad on rank {rank} (rank 0's)")
+            # Non-zero: the sum is taken in 16 bits, in an order the backend chooses.
+            assert_within_rounding(
+                got, want, name, world.world_size, what=f"{name}.grad on rank {rank}"
             )
 
 

@@ -15,6 +15,7 @@ from harness.strategies._common import (
     seeds,
     shapes,
 )
+from harness.strategies.comm_hooks import comm_hooks
 from harness.strategies.dcp_layouts import dcp_layout_cases as dcp_layout_cases
 from harness.strategies.hsdp import (
     group_error_cases,
@@ -103,6 +104,7 @@ __all__ = [
     "MAX_SIDE",
     "class_counts",
     "clippings",
+    "comm_hooks",
     "container_cases",
     "distribute_cases",
     "dtypes",
