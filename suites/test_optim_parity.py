@@ -70,7 +70,6 @@ def _check_layout(world: World, data: st.DataObject, layout: str) -> None:
             unsupported=unsupported,
             variants=True,
             optimizers=OPTIMIZERS,
-            lacks=world.lacks,
         ),
         label="case",
     )
@@ -379,7 +378,7 @@ def test_ddp_compress_hooks_round_the_mean_gradient(world: World, data: st.DataO
 @given(data=st.data())
 def test_ddp_static_graph_accumulates_like_one_device(world: World, data: st.DataObject) -> None:
     case = data.draw(
-        parity_cases(world.world_size, layout="ddp", variants=True, lacks=world.lacks),
+        parity_cases(world.world_size, layout="ddp", variants=True),
         label="case",
     )
     rows = 2 * data.draw(st.integers(1, 2), label="rows per micro-batch")

@@ -309,13 +309,11 @@ class LocalWorld(PersistentWorld[_Simulation]):
             "reduce_scatter.premul_sum",
             "mesh.from_group",
             "scatter.group_src",
-            "generator.per_rank",
         }
     )
     """What LocalTensorMode cannot simulate: point-to-point and rooted collectives but
     broadcast and scatter from group rank 0, PreMulSum, and meshes that are another object on
-    every rank (``DeviceMesh.from_group``); nor a CPU generator per rank (one thread draws
-    for all of them)."""
+    every rank (``DeviceMesh.from_group``)."""
     _numbers = itertools.count()
 
     def __init__(

@@ -243,10 +243,7 @@ class ThreadWorld(PersistentWorld[_Generation]):
     """A persistent World of ``world_size`` rank threads (see the module docstring)."""
 
     runner = RUNNER
-    lacks = _threaded_pg.UNSUPPORTED | {"generator.per_rank"}
-    """What the threaded process group cannot serve, and a CPU generator per rank: rank
-    threads share the process's, so what a rank draws from it (PowerSGD's seeded random
-    projections, dropout) depends on how the threads interleave."""
+    lacks = _threaded_pg.UNSUPPORTED
     _numbers = itertools.count()
 
     def __init__(

@@ -32,7 +32,6 @@ from harness.cases.training import (
 )
 from harness.errors import check_int, check_one_of, check_subset, fail, require
 from harness.strategies._common import (
-    Lacks,
     factorisations,
     mesh_shapes,
     sampled,
@@ -238,7 +237,6 @@ def parity_cases(
     optim_flags: bool = False,
     accelerator: bool = False,
     optimizers: Sequence[str] = CORE_OPTIMIZERS,
-    lacks: Lacks = frozenset(),
 ) -> st.SearchStrategy[ParityCase]:
     """A training run to compare under ``layout`` with one device.
 
@@ -250,8 +248,8 @@ def parity_cases(
     (gradients accumulated without sync until the last, or synced after each), a
     gradient clipping (``strategies.schedules.clippings``: by the 2-, 1- or inf-norm, or
     by value) and wrapper options (DDP bucketing;
-    ``fully_shard``'s ``reshard_after_forward``), and for ddp/zero a lossless comm hook
-    (``strategies.comm_hooks``) and ``static_graph``, ``find_unused_parameters``,
+    ``fully_shard``'s ``reshard_after_forward``), and for ddp/zero the all-reduce comm hook
+    and ``static_graph``, ``find_unused_parameters``,
     ``broadcast_buffers``. ``mixed_precision=True`` draws a
     ``MixedPrecisionPolicy`` per module (``strategies.knobs.precisions``).
 
@@ -262,9 +260,7 @@ def parity_cases(
     (``strategies.knobs.divides_twice``).
     ``optim_flags=True`` also draws a tensor learning rate and ``capturable`` where torch
     2.13 serves them (``capturable`` off the fused kernels only if ``accelerator``).
-    ``optimizers`` names the ``torch.optim`` optimizers to draw. ``lacks`` (``World.lacks``):
-    without ``generator.per_rank`` no PowerSGD hook, whose random projections must be the
-    same on every rank.
+    ``optimizers`` names the ``torch.optim`` optimizers to draw.
     """
     check_subset("optimizers", optimizers, OPTIMIZERS, non_empty=True)
     check_one_of("layout", layout, LAYOUTS)
@@ -289,7 +285,6 @@ def parity_cases(
         optim_flags=optim_flags,
         accelerator=accelerator,
         optimizers=tuple(optimizers),
-        lacks=lacks,
     )
 
 
@@ -310,7 +305,6 @@ def _parity_cases(
     optim_flags: bool,
     accelerator: bool,
     optimizers: tuple[str, ...],
-    lacks: Lacks,
 ) -> ParityCase:
     shard = "many" if premul_sum else ("one" if one_rank_shard else None)
     mesh = _layout_mesh(draw, world_size, layout, shard)
@@ -346,10 +340,7 @@ def _parity_cases(
     wrapper_options = _wrapper_options(draw, layout, accumulates) if variants else ()
     comm_hook = None
     if variants and layout in ("ddp", "zero"):
-        seeded = "generator.per_rank" not in lacks
-        names = LOSSLESS if seeded else ("allreduce",)
-        several = dict(wrapper_options).get("bucket_cap_mb") == _BUCKET_PER_PARAMETER
-        comm_hook = draw(st.none() | comm_hooks(names, several_buckets=several))
+        comm_hook = draw(st.none() | comm_hooks(LOSSLESS))
     return ParityCase(
         layout=layout,
         mesh_shape=mesh,
