@@ -53,6 +53,12 @@ class DistconfSession:
         if self._sigterm is not None:
             signal.signal(signal.SIGTERM, self._sigterm)
 
+    @property
+    def _runs_tests(self) -> bool:
+        """This process runs the tests: it is no xdist controller, which hands them to its
+        workers (each keeping its own starts and fatal file)."""
+        return not self.config.pluginmanager.has_plugin("dsession")
+
     @functools.cached_property
     def backend(self) -> str:
         """The process-group backend the session's Worlds use (the plugins imported first: an
@@ -62,8 +68,7 @@ class DistconfSession:
     # Not at configure time: hypothesis loads --hypothesis-profile in its own configure hook.
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         self.writer = recording.open_writer(self.config, self.run, self.backend)
-        # Only where tests run: a controller's file holds none, and its workers keep their own.
-        if self.writer is not None and not self.config.pluginmanager.has_plugin("dsession"):
+        if self.writer is not None and self._runs_tests:
             self.fatal_log = fatal.FatalLog(self.writer.path)
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
@@ -98,7 +103,7 @@ class DistconfSession:
         surface.begin(nodeid)
         # An xdist controller replays its workers' starts; their outcomes are in the
         # workers' files, so only a process that runs tests writes its starts.
-        if self.writer is not None and not self.config.pluginmanager.has_plugin("dsession"):
+        if self.writer is not None and self._runs_tests:
             self.writer.write_start(nodeid)
 
     def pytest_runtest_logfinish(self, nodeid: str) -> None:

@@ -31,14 +31,14 @@ LR_LAMBDAS: dict[str, Callable[[int], float]] = {
 
 
 class Scheduled:
-    """A built scheduler and how it is stepped after each optimizer step."""
+    """A built scheduler, stepped after each optimizer step (``ReduceLROnPlateau`` with a
+    metric)."""
 
-    def __init__(self, scheduler: Any, *, plateau: bool) -> None:
+    def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
-        self._plateau = plateau
 
     def step(self) -> None:
-        if self._plateau:
+        if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             self.scheduler.step(_NO_IMPROVEMENT)
         else:
             self.scheduler.step()
@@ -48,8 +48,7 @@ def build_scheduler(config: OptimConfig, optimizer: torch.optim.Optimizer) -> Sc
     """The scheduler of ``config.scheduler`` over ``optimizer``, or None."""
     if config.scheduler is None:
         return None
-    plateau = config.scheduler.name == "ReduceLROnPlateau"
-    return Scheduled(_build(config.scheduler, optimizer), plateau=plateau)
+    return Scheduled(_build(config.scheduler, optimizer))
 
 
 def _build(schedule: Schedule, optimizer: torch.optim.Optimizer) -> Any:
@@ -70,14 +69,10 @@ def clip_gradients(parameters: Iterable[torch.Tensor], clipping: Clipping | None
     if clipping.how == "value":
         torch.nn.utils.clip_grad_value_(params, clipping.bound, foreach=clipping.foreach)
         return
-    norm_type, nonfinite, foreach = (
-        clipping.norm_type,
-        clipping.error_if_nonfinite,
-        clipping.foreach,
-    )
+    norm = (clipping.norm_type, clipping.error_if_nonfinite, clipping.foreach)
     if clipping.how == "norm":
-        torch.nn.utils.clip_grad_norm_(params, clipping.bound, norm_type, nonfinite, foreach)
+        torch.nn.utils.clip_grad_norm_(params, clipping.bound, *norm)
         return
     grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type, nonfinite, foreach)
+    total = torch.nn.utils.get_total_norm(grads, *norm)
     torch.nn.utils.clip_grads_with_norm_(params, clipping.bound, total, foreach=clipping.foreach)
