@@ -55,6 +55,9 @@ def test_exception_on_one_rank_names_it_and_releases_the_rest(world):
 
 
 def _hangs_on_rank_0(ctx):
+    # every rank is past its start when the peers head for the barrier: on a loaded
+    # machine a late-starting rank would otherwise still be running at the deadline
+    dist.all_reduce(torch.zeros(1))
     if ctx.rank == 0:
         while True:
             time.sleep(0.05)
@@ -63,7 +66,7 @@ def _hangs_on_rank_0(ctx):
 
 def test_hang_gives_every_stack_at_the_deadline(world):
     with pytest.raises(RankFailure) as info:
-        world.run(_hangs_on_rank_0, timeout=2.0)
+        world.run(_hangs_on_rank_0, timeout=4.0)
     failure = info.value
     assert failure.timed_out
     assert failure.statuses == {0: "timeout", 1: "waiting", 2: "waiting"}
