@@ -70,6 +70,7 @@ def _check_layout(world: World, data: st.DataObject, layout: str) -> None:
             unsupported=unsupported,
             variants=True,
             optimizers=OPTIMIZERS,
+            accelerator=world.device != "cpu",
         ),
         label="case",
     )
@@ -324,7 +325,13 @@ def test_ddp_training_matches_one_device(world: World, data: st.DataObject) -> N
 @given(data=st.data())
 def test_ddp_forwards_start_from_rank0s_buffers(world: World, data: st.DataObject) -> None:
     case = data.draw(
-        parity_cases(world.world_size, layout="ddp", variants=True, optimizers=OPTIMIZERS),
+        parity_cases(
+            world.world_size,
+            layout="ddp",
+            variants=True,
+            optimizers=OPTIMIZERS,
+            accelerator=world.device != "cpu",
+        ),
         label="case",
     )
     case = replace(case, micro_batches=1, sync_each_micro_batch=False)  # no_sync skips it

@@ -3,11 +3,12 @@ parity-case strategies, parameter groups and the single-device reference."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import assume, find, given, settings
 from hypothesis import strategies as st
 
 from harness.cases.training import (
@@ -87,6 +88,21 @@ def test_every_optimizer_is_drawn_with_options_it_takes(name, data):
     model(torch.ones(1, 2)).sum().backward()
     optimizer.step()
     assert type(optimizer).__name__ == name
+
+
+def test_fused_kernels_torch_has_on_the_cpu_only_are_left_out_on_accelerators():
+    on_cpu = optim_configs(names=("Adagrad",), impls=("fused",))
+    assert find(on_cpu, lambda config: True).impl == "fused"
+    with pytest.raises(InvalidArgument, match=r"unsupported=.*leave some optimizer"):
+        optim_configs(names=("Adagrad",), impls=("fused",), accelerator=True)
+
+
+@settings(max_examples=50)
+@given(data=st.data())
+def test_ddp_options_are_ones_the_running_torch_takes(data):
+    case = data.draw(parity_cases(2, layout="ddp", variants=True))
+    taken = inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
+    assert set(dict(case.wrapper_options)) <= set(taken)
 
 
 def test_optimizer_config_validates_its_names():

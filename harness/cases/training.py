@@ -49,7 +49,10 @@ under each layout against one device) draw all of ``OPTIMIZERS``; the state-dict
 and ZeRO properties keep to these until what the others met there is pinned (README)."""
 IMPLEMENTATIONS = ("default", "foreach", "fused")
 FUSED = ("SGD", "Adam", "AdamW", "Adagrad")
-"""The optimizers with a fused implementation on every device (torch.optim's ``fused``)."""
+"""The optimizers with a fused implementation (torch.optim's ``fused``)."""
+FUSED_CPU_ONLY = ("Adagrad",)
+"""Those whose fused kernel torch has on the CPU only (documented; on CUDA its constructor
+refuses: "`fused=True` requires all the params to be ... of supported devices")."""
 LAYOUTS = ("fsdp", "hsdp", "fsdp_tp", "hsdp_tp", "ddp", "zero")
 TP_LAYOUTS = ("fsdp_tp", "hsdp_tp")
 """Layouts whose last mesh axis is tensor-parallel (a Colwise/Rowwise two-layer MLP)."""

@@ -16,6 +16,7 @@ from harness.cases.training import (
     CORE_OPTIMIZERS,
     FSDP_LAYOUTS,
     FUSED,
+    FUSED_CPU_ONLY,
     IMPLEMENTATIONS,
     LAYOUTS,
     OPTIMIZERS,
@@ -43,6 +44,7 @@ from harness.strategies.comm_hooks import comm_hooks
 from harness.strategies.knobs import KNOB_FAMILIES, draw_knobs, precisions
 from harness.strategies.placements import placements
 from harness.strategies.schedules import clippings, schedules
+from harness.torchkit.surface.inventory import callable_of, options_of, resolve
 from specs.chunking import shard_sizes
 from specs.optimizers import OPTIMIZERS as MODELLED
 
@@ -181,18 +183,23 @@ def optim_configs(
     ``groups=False`` never draws a second group or a scheduler. ``flags=True`` also draws
     ``capturable`` (fused kernels; every kernel if ``accelerator``: torch 2.13's
     others refuse CPU tensors) and a tensor learning rate (not for foreach without
-    ``capturable``, which torch refuses)."""
+    ``capturable``, which torch refuses). ``accelerator``: the parameters live on an
+    accelerator, where fused Adagrad is not drawn (``cases.training.FUSED_CPU_ONLY``)."""
     check_subset("names", names, OPTIMIZERS, non_empty=True)
     check_subset("impls", impls, IMPLEMENTATIONS, non_empty=True)
     pairs = tuple(
         (n, i)
         for n in names
         for i in impls
-        if (n, i) not in unsupported and (i != "fused" or n in FUSED)
+        if (n, i) not in unsupported and (i != "fused" or _has_fused(n, accelerator))
     )
     leaves_one = "pairs that leave some optimizer of names × impls to draw"
     require(bool(pairs), "unsupported", sorted(unsupported), leaves_one)
     return _optim_configs(pairs, stateful, groups, flags, accelerator)
+
+
+def _has_fused(name: str, accelerator: bool) -> bool:
+    return name in FUSED and not (accelerator and name in FUSED_CPU_ONLY)
 
 
 @cache
@@ -259,8 +266,9 @@ def parity_cases(
     ``one_rank_shard=True`` one on a shard group of one rank, reduced by sum then division
     (``strategies.knobs.divides_twice``).
     ``optim_flags=True`` also draws a tensor learning rate and ``capturable`` where torch
-    2.13 serves them (``capturable`` off the fused kernels only if ``accelerator``).
-    ``optimizers`` names the ``torch.optim`` optimizers to draw.
+    2.13 serves them (``capturable`` off the fused kernels only if ``accelerator``);
+    ``accelerator=True`` (the World is on one) leaves out the fused kernels torch has on
+    the CPU only. ``optimizers`` names the ``torch.optim`` optimizers to draw.
     """
     check_subset("optimizers", optimizers, OPTIMIZERS, non_empty=True)
     check_one_of("layout", layout, LAYOUTS)
@@ -390,11 +398,18 @@ _BUCKET_PER_PARAMETER = 1e-5
 
 
 _BUFFER_SYNC_NAMES = ("forward_sync_buffers", "broadcast_buffers")
-_buffer_syncs = sampled(
-    ((), *(((name, on),) for name in _BUFFER_SYNC_NAMES for on in (True, False)))
-)
-"""DDP's buffer syncs: the defaults, ``forward_sync_buffers``, or its deprecated spelling
-``broadcast_buffers``, whose False also skips the sync at construction."""
+
+
+@cache
+def _buffer_syncs() -> st.SearchStrategy[tuple[tuple[str, bool], ...]]:
+    """DDP's buffer syncs: the defaults, ``forward_sync_buffers``, or its deprecated spelling
+    ``broadcast_buffers``, whose False also skips the sync at construction; of those, the
+    ones the running torch's DDP takes (torch 2.11 has no ``forward_sync_buffers``)."""
+    found = resolve("torch.nn.parallel:DistributedDataParallel")
+    assert found is not None, "torch without DistributedDataParallel"
+    taken = {option.name for option in options_of(callable_of(found[1]))}
+    names = [name for name in _BUFFER_SYNC_NAMES if name in taken]
+    return sampled(((), *(((name, on),) for name in names for on in (True, False))))
 
 
 def _wrapper_options(
@@ -408,7 +423,7 @@ def _wrapper_options(
             ("bucket_cap_mb", draw(sampled((25.0, _BUCKET_PER_PARAMETER)))),
             ("static_graph", not accumulates and draw(st.booleans())),
             ("find_unused_parameters", draw(st.booleans())),
-            *draw(_buffer_syncs),
+            *draw(_buffer_syncs()),
         )
     return (("reshard_after_forward", draw(st.booleans())),)
 
