@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness import World, parity
+from harness.cases.checkpointing import SAVE_POLICIES, Checkpointing
 from harness.cases.comm_hooks import ROUNDING
 from harness.cases.training import OPTIMIZERS, ParityCase
 from harness.parity import assert_array_equal, assert_close, assert_equal_values
@@ -19,6 +20,7 @@ from harness.strategies import (
     DTENSOR_UNSUPPORTED,
     FSDP_LAYOUTS,
     KNOB_FAMILIES,
+    checkpointings,
     clippings,
     comm_hooks,
     optim_configs,
@@ -237,6 +239,22 @@ def test_activation_checkpointing_trains_like_one_device(world: World, data: st.
     _check_knob(world, data, "checkpoint")
 
 
+@pytest.mark.spec("optim.knobs.checkpointing_composable_hooks")
+@pytest.mark.world_size(min=2)  # a TP axis of two ranks
+@costly(12)  # as optim.knobs.checkpointing: one failing example suffices
+@given(data=st.data())
+def test_composable_selective_checkpoint_of_tp_layers(world: World, data: st.DataObject) -> None:
+    case = _draw_case(world, data, ("fsdp_tp", "hsdp_tp"), variants=True)
+    layers = len(case.dims) - 1
+    how = Checkpointing(
+        api="composable",
+        layers=tuple(sorted(data.draw(st.sets(st.integers(0, layers - 1), min_size=1)))),
+        save=data.draw(st.sampled_from(SAVE_POLICIES), label="save"),
+        early_stop=False,
+    )
+    _check(world, replace(case, knobs=replace(case.knobs, checkpoint=how)))
+
+
 @pytest.mark.spec("optim.knobs.checkpointing_dropout")
 @KNOBS
 @given(data=st.data())
@@ -248,8 +266,10 @@ def test_checkpointing_replays_dropout(world: World, data: st.DataObject) -> Non
         )
     families = tuple(f for f in KNOB_FAMILIES if f != "checkpoint")  # the check turns it
     case = _draw_case(world, data, ("fsdp", "hsdp"), variants=True, knob_families=families)
+    how = data.draw(checkpointings(len(case.dims) - 1, random=True), label="checkpointing")
+    case = replace(case, knobs=replace(case.knobs, checkpoint=how))
     case = replace(case, dropout=data.draw(st.sampled_from((0.1, 0.5)), label="dropout"))
-    parity.attach(f"{case.call()}, with and without checkpoint_wrapper")
+    parity.attach(f"{case.call()}, with and without {how.describe()}")
     parity.note_reference("the same layout without activation checkpointing, same seeds")
     plain, checkpointed = zip(*world.run(checkpointed_dropout_on_rank, case), strict=True)
     # Recomputation replays the same operations on the same values with the generator

@@ -44,7 +44,7 @@ def test_knob_cases_are_valid_for_their_layout(world_size: int, data: st.DataObj
         # dropped only where every reduction of this mesh and dtype would divide twice
         assert size == 1 and reduce_dtype == "float64"
     if focus == "checkpoint":
-        assert knobs.checkpoint
+        assert knobs.checkpoint is not None
 
 
 @settings(max_examples=60)

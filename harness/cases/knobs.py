@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.cases.checkpointing import Checkpointing
 from harness.errors import check_one_of
 
 PRECISION_DTYPES = ("bfloat16", "float32")
@@ -72,8 +73,9 @@ class Knobs:
     """``set_modules_to_backward_prefetch``, likewise."""
     keyword_input: bool = False
     """The model is called with its input as a keyword argument (``model(input=x)``)."""
-    checkpoint: bool = False
-    """Each Linear wrapped in ``checkpoint_wrapper`` (non-reentrant) before sharding."""
+    checkpoint: Checkpointing | None = None
+    """Activation checkpointing of some Linears (through one of torch's APIs) before
+    sharding; None: none."""
     flatten: tuple[int, int] | None = None
     """fsdp: the 1-D mesh is this 2-D mesh flattened (``mesh._flatten()``)."""
 

@@ -15,6 +15,7 @@ from harness.strategies._common import (
     seeds,
     shapes,
 )
+from harness.strategies.checkpointing import checkpointings
 from harness.strategies.comm_hooks import comm_hooks
 from harness.strategies.dcp_layouts import dcp_layout_cases as dcp_layout_cases
 from harness.strategies.hsdp import (
@@ -102,6 +103,7 @@ __all__ = [
     "KNOB_FAMILIES",
     "MAX_MESH_NDIM",
     "MAX_SIDE",
+    "checkpointings",
     "class_counts",
     "clippings",
     "comm_hooks",

@@ -10,16 +10,17 @@ from dataclasses import replace
 from hypothesis import strategies as st
 
 from harness.cases.knobs import PRECISION_DTYPES, Knobs, Precision
-from harness.cases.training import FSDP_LAYOUTS, data_parallel, shard_size
+from harness.cases.training import FSDP_LAYOUTS, TP_LAYOUTS, data_parallel, shard_size
 from harness.errors import check_one_of, check_subset
 from harness.strategies._common import factorisations, reshard_factors, sampled
+from harness.strategies.checkpointing import checkpointings
 
 KNOB_FAMILIES = ("divide_factor", "micro_batching", "resharding", "checkpoint")
 """``divide_factor``: a gradient divide factor, sum-only collectives, HSDP's mesh flattened
 for fsdp; ``micro_batching``: 2-3 micro-batches with all-reduce, resharding and the last
 backward held or marked; ``resharding``: reshard to a smaller group, explicit unshard and
 prefetch plans (neighbours, or any other layers); ``checkpoint``: activation checkpointing
-of every Linear."""
+of some Linears, through any of torch's APIs (``strategies.checkpointing``)."""
 
 
 def uses_premul_sum(knobs: Knobs, layout: str, mesh: tuple[int, ...], reduce_dtype: str) -> bool:
@@ -83,7 +84,8 @@ def draw_knobs(
     if "resharding" in turned:
         chosen = _resharding(draw, chosen, layout, mesh, layers, focused=focus == "resharding")
     if "checkpoint" in turned:
-        chosen = replace(chosen, checkpoint=True)
+        hooked = layout in TP_LAYOUTS
+        chosen = replace(chosen, checkpoint=draw(checkpointings(layers, hooked=hooked)))
     return replace(chosen, keyword_input=draw(st.booleans())), micro_batches
 
 

@@ -9,31 +9,23 @@ from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    checkpoint_wrapper,
-)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel
 
 from harness.cases.knobs import Knobs, Precision
 from harness.cases.training import ParityCase
+from harness.torchkit.checkpointing import checkpoint_layers
 from harness.torchkit.dtensor import torch_dtype
 
 
 def checkpointed(model: nn.Sequential, knobs: Knobs) -> list[nn.Module]:
     """The modules ``fully_shard`` wraps one by one (each child with parameters: a Linear
-    or a unit holding one; in ``checkpoint_wrapper`` when ``knobs.checkpoint``), in model
-    order; wrapping replaces them in ``model``."""
-    layers = []
-    for index, layer in enumerate(model):
-        if next(layer.parameters(), None) is None:
-            continue
-        if knobs.checkpoint:
-            layer = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-            model[index] = layer
-        layers.append(layer)
-    return layers
+    or a unit holding one), in model order, after the case's activation checkpointing,
+    whose wrappers replace them in ``model``."""
+    positions = [i for i, layer in enumerate(model) if next(layer.parameters(), None) is not None]
+    if knobs.checkpoint is not None:
+        checkpoint_layers(model, positions, knobs.checkpoint)
+    return [model[i] for i in positions]
 
 
 def layer_policies(case: ParityCase, count: int) -> list[MixedPrecisionPolicy]:

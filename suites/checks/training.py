@@ -44,13 +44,14 @@ def train_on_rank(ctx: RankContext, case: ParityCase) -> Trained:
 
 def checkpointed_dropout_on_rank(ctx: RankContext, case: ParityCase) -> list[Trained]:
     """A dropout model trained under ``case.layout`` without activation checkpointing, then
-    with it, this rank's generator seeded alike before each: their losses and parameters.
+    with the case's, this rank's generator seeded alike before each: their losses and
+    parameters.
 
     Only where each rank has a generator of its own (rank processes, or a world of one
     rank thread): rank threads share one, and dropout's masks would depend on how they
     interleave."""
     runs = []
-    for checkpoint in (False, True):
+    for checkpoint in (None, case.knobs.checkpoint):
         run = replace(case, knobs=replace(case.knobs, checkpoint=checkpoint))
         torch.manual_seed(case.seed * 7919 + ctx.rank)
         model = build_dropout_mlp(run, ctx.device, case.dropout)

@@ -1,0 +1,64 @@
+"""Strategies for activation checkpointing (``cases.checkpointing``), valid by construction
+for a model's layers."""
+
+from __future__ import annotations
+
+from functools import cache
+
+from hypothesis import strategies as st
+
+from harness.cases.checkpointing import (
+    CHECKPOINT_APIS,
+    REENTRANT_APIS,
+    SAVE_POLICIES,
+    Checkpointing,
+)
+from harness.errors import check_int, require
+from harness.strategies._common import sampled
+
+
+def checkpointings(
+    layers: int, *, random: bool = False, hooked: bool = False
+) -> st.SearchStrategy[Checkpointing]:
+    """Checkpointing of some of a model's ``layers`` layers with parameters, through any API
+    of ``cases.checkpointing.CHECKPOINT_APIS``; reentrant (never on the first layer, and
+    not selective) or not, selective or not, each option of the implementation drawn.
+    ``random``: the layers draw random numbers (dropout), so the generator's state is
+    always preserved for the recomputation. ``hooked``: the layers already carry forward
+    hooks (TP's), where torch 2.13's composable checkpoint fails a selective policy without
+    early stop (spec optim.knobs.checkpointing_composable_hooks checks that path alone):
+    that path is not drawn."""
+    check_int("layers", layers)
+    require(isinstance(random, bool), "random", random, "a bool")
+    require(isinstance(hooked, bool), "hooked", hooked, "a bool")
+    return _checkpointings(layers, random, hooked)
+
+
+@cache
+@st.composite
+def _checkpointings(draw: st.DrawFn, layers: int, random: bool, hooked: bool) -> Checkpointing:
+    api = draw(sampled(CHECKPOINT_APIS))
+    reentrant = api in REENTRANT_APIS and layers > 1 and draw(st.booleans())
+    positions = tuple(range(1 if reentrant else 0, layers))
+    chosen = draw(st.lists(sampled(positions), min_size=1, unique=True).map(sorted))
+    preserve_rng_state = random or draw(st.booleans())
+    if reentrant:
+        return Checkpointing(
+            api=api,
+            layers=tuple(chosen),
+            reentrant=True,
+            preserve_rng_state=preserve_rng_state,
+        )
+    save = draw(st.none() | sampled(SAVE_POLICIES))
+    fails_hooked = hooked and api == "composable" and save is not None
+    return Checkpointing(
+        api=api,
+        layers=tuple(chosen),
+        save=save,
+        policy_as_list=save in ("save_matmuls", "recompute_all") and draw(st.booleans()),
+        allow_cache_entry_mutation=save is not None and draw(st.booleans()),
+        preserve_rng_state=preserve_rng_state,
+        determinism_check=draw(sampled(("default", "none"))),
+        debug=save is None and api != "composable" and draw(st.booleans()),
+        early_stop=fails_hooked or draw(st.booleans()),
+    )
