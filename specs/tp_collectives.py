@@ -53,10 +53,12 @@ def transformer_collectives(
     sequence_parallel: bool,
     n_layers: int,
     trainable: Callable[[str], bool],
+    sharded_head: bool = False,
 ) -> tuple[Counts, Counts, Counts]:
     """(forward, backward, optimizer step) collective counts per operation, over the TP
     group, of one training step; ``trainable(name)`` says whether a parameter requires
-    grad (a tied output weight is the token embedding's)."""
+    grad (a tied output weight is the token embedding's). ``sharded_head``: the output
+    head leaves its logits sharded over the vocabulary, so the forward gathers them not."""
     require(tp >= 1, "tp", tp, ">= 1")
     require(n_layers >= 0, "n_layers", n_layers, ">= 0")
     if tp == 1:
@@ -64,10 +66,10 @@ def transformer_collectives(
     flags = _prefix_flags(n_layers, trainable)
     blocks, out_in = flags[:-1], flags[-1]["out_in"]
     if not sequence_parallel:
-        forward = {"all_reduce": 2 + 2 * n_layers, "all_gather": 1}
+        forward = _nonzero({"all_reduce": 2 + 2 * n_layers, "all_gather": 1 - sharded_head})
         colwise_inputs = sum(3 * b["attn_in"] + b["w1_in"] for b in blocks) + out_in
         return forward, _nonzero({"all_reduce": colwise_inputs}), {}
-    forward = {"reduce_scatter": 2 + 2 * n_layers, "all_gather": 2 + 2 * n_layers}
+    forward = {"reduce_scatter": 2 + 2 * n_layers, "all_gather": 2 + 2 * n_layers - sharded_head}
     backward = Counter(
         reduce_scatter=sum(b["attn_in"] + b["w1_in"] for b in blocks) + out_in,
         all_gather=trainable("tok_embeddings.weight")

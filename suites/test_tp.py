@@ -280,6 +280,7 @@ def _check_transformer(world: World, case: TransformerCase) -> None:
         sequence_parallel=case.sequence_parallel,
         n_layers=case.n_layers,
         trainable=case.requires_grad,
+        sharded_head=case.sharded_head,
     )
     group = tuple(range(case.tp))
     for rank, trace in enumerate(world.run(tp.transformer_on_rank, case)):

@@ -3,7 +3,7 @@ Transformer. Training cases wrap a ``ParityCase``, as HSDP's do."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from harness.cases.training import ParityCase
 from harness.errors import check_one_of, check_subset, fail, require
@@ -152,6 +152,13 @@ def transformer_param_names(n_layers: int, weight_tying: bool) -> tuple[str, ...
     return tuple(names)
 
 
+PLAN_OPTIONS = (
+    *("wildcard_plan", "sharded_head", "norm_local_output", "explicit_sequence_dim"),
+    *("prepare_input_output", "src_data_rank"),
+)
+"""The ways of spelling the tensor-parallel plan a ``TransformerCase`` draws (its fields)."""
+
+
 @dataclass(frozen=True)
 class TransformerCase:
     """``harness.torchkit.models.Transformer`` under upstream's tensor-parallel plan over ``tp``
@@ -177,6 +184,23 @@ class TransformerCase:
     """Adam's eps: a rounding difference in a gradient moves Adam's first update by at
     most ``lr / eps`` times as much (at torch's 1e-8, near-zero gradients turn any
     difference into a jump of up to ``2 * lr``)."""
+    wildcard_plan: bool = False
+    """The blocks' plan given once at the root with ``layers.*.`` keys, instead of one
+    ``parallelize_module`` call per block."""
+    sharded_head: bool = False
+    """The output head leaves its output a vocab-sharded DTensor (``ColwiseParallel(
+    output_layouts=Shard(-1), use_local_output=False)``) instead of gathering it."""
+    norm_local_output: bool = False
+    """Under sequence parallelism, the norms hand on local tensors
+    (``SequenceParallel(use_local_output=True)``)."""
+    explicit_sequence_dim: bool = False
+    """Under sequence parallelism, ``SequenceParallel(sequence_dim=1)`` spelled out."""
+    prepare_input_output: bool = False
+    """Under sequence parallelism, the attention's input prepared by
+    ``PrepareModuleInputOutput`` (its output declared as the row-wise output it is) instead
+    of ``PrepareModuleInput``."""
+    src_data_rank: int | None = 0
+    """``parallelize_module``'s: rank 0's values broadcast, or (None) each rank's own."""
 
     def __post_init__(self) -> None:
         tp, heads = self.tp, self.n_heads
@@ -189,6 +213,11 @@ class TransformerCase:
         if self.trainable is not None:
             names = transformer_param_names(self.n_layers, self.weight_tying)
             check_subset("trainable", self.trainable, names)
+        sp_only = ("norm_local_output", "explicit_sequence_dim", "prepare_input_output")
+        for name in sp_only:
+            turned = getattr(self, name)
+            require(self.sequence_parallel or not turned, name, turned, "False without SP")
+        check_one_of("src_data_rank", self.src_data_rank, (0, None))
 
     @property
     def max_seq_len(self) -> int:
@@ -205,6 +234,10 @@ class TransformerCase:
         plan = "sequence-parallel " if self.sequence_parallel else ""
         tied = ", tied output" if self.weight_tying else ""
         frozen = "" if self.trainable is None else f", trainable only {list(self.trainable)}"
+        defaults = {f.name: f.default for f in fields(self)}
+        turned = [n for n in PLAN_OPTIONS if getattr(self, n) != defaults[n]]
+        options = ", ".join(f"{n}={getattr(self, n)}" for n in turned)
+        frozen += f", plan options {options}" if options else ""
         return (
             f"{plan}TP over {self.tp} rank(s) of Transformer(vocab={self.vocab}, "
             f"dim={self.dim}, heads={self.n_heads}, layers={self.n_layers}{tied}) "

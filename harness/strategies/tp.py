@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import cache
+from typing import Any
 
 from hypothesis import strategies as st
 
@@ -203,4 +204,22 @@ def transformer_cases(draw: st.DrawFn, world_size: int, *, frozen: bool = False)
         steps=draw(st.integers(1, 3)) if dtype == "float64" else 1,
         dtype=dtype,
         seed=draw(seeds()),
+        **draw(_plan_options(sp)),
+    )
+
+
+@cache
+def _plan_options(sp: bool) -> st.SearchStrategy[dict[str, Any]]:
+    """How the plan is spelled (``cases.tp.PLAN_OPTIONS``): the sequence-parallel ones
+    only under sequence parallelism."""
+    sp_only = st.booleans() if sp else st.just(False)
+    return st.fixed_dictionaries(
+        {
+            "wildcard_plan": st.booleans(),
+            "sharded_head": st.booleans(),
+            "norm_local_output": sp_only,
+            "explicit_sequence_dim": sp_only,
+            "prepare_input_output": sp_only,
+            "src_data_rank": sampled((0, None)),
+        }
     )

@@ -15,6 +15,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -331,12 +332,12 @@ class TransformerTrace:
     counts: tuple[dict[CountKey, int], ...] = field(default=())
 
 
-def _root_plan(sp: bool) -> dict[str, Any]:
-    if sp:
+def _root_plan(case: TransformerCase) -> dict[str, Any]:
+    if case.sequence_parallel:
         return {
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "pos_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
-            "norm": SequenceParallel(),
+            "norm": _sequence_parallel(case),
         }
     return {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
@@ -344,14 +345,32 @@ def _root_plan(sp: bool) -> dict[str, Any]:
     }
 
 
-def _layer_plan(sp: bool) -> dict[str, Any]:
+def _sequence_parallel(case: TransformerCase) -> SequenceParallel:
+    if case.explicit_sequence_dim:
+        return SequenceParallel(sequence_dim=1, use_local_output=case.norm_local_output)
+    return SequenceParallel(use_local_output=case.norm_local_output)
+
+
+def _attention_input(case: TransformerCase) -> Any:
+    """The SP attention's input gathered along the sequence; its output (what ``wo``'s
+    row-wise plan already handed on, a local Shard(1) piece) declared as it is."""
+    if not case.prepare_input_output:
+        return PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
+    return PrepareModuleInputOutput(
+        input_layouts=Shard(1),
+        desired_input_layouts=Replicate(),
+        output_layouts=Shard(1),
+        desired_output_layouts=Shard(1),
+    )
+
+
+def _layer_plan(case: TransformerCase) -> dict[str, Any]:
+    sp = case.sequence_parallel
     plan: dict[str, Any] = {}
     if sp:
-        plan["attention"] = PrepareModuleInput(
-            input_layouts=Shard(1), desired_input_layouts=Replicate()
-        )
-        plan["attention_norm"] = SequenceParallel()
-        plan["ffn_norm"] = SequenceParallel()
+        plan["attention"] = _attention_input(case)
+        plan["attention_norm"] = _sequence_parallel(case)
+        plan["ffn_norm"] = _sequence_parallel(case)
     for name in ("wq", "wk", "wv"):
         plan[f"attention.{name}"] = ColwiseParallel()
     plan["attention.wo"] = RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()
@@ -360,19 +379,28 @@ def _layer_plan(sp: bool) -> dict[str, Any]:
     return plan
 
 
+def _head_plan(case: TransformerCase) -> ColwiseParallel:
+    inputs = Shard(1) if case.sequence_parallel else None
+    if case.sharded_head:
+        return ColwiseParallel(
+            input_layouts=inputs, output_layouts=Shard(-1), use_local_output=False
+        )
+    return ColwiseParallel(input_layouts=inputs, output_layouts=Replicate())
+
+
 def parallelize_transformer(model: Transformer, mesh: Any, case: TransformerCase) -> Transformer:
-    """Upstream's plan; the attention projections hand on local outputs, so each rank's
-    attention runs over its own heads."""
-    sp = case.sequence_parallel
-    parallelize_module(model, mesh, _root_plan(sp))
-    for layer in model.layers:
-        parallelize_module(layer, mesh, _layer_plan(sp))
-    output = (
-        ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
-        if sp
-        else ColwiseParallel(output_layouts=Replicate())
-    )
-    parallelize_module(model.output, mesh, output)
+    """Upstream's plan, spelled as the case says (per block or with ``layers.*`` keys);
+    the attention projections hand on local outputs, so each rank's attention runs over
+    its own heads."""
+    rank = {"src_data_rank": case.src_data_rank}
+    if case.wildcard_plan:
+        blocks = {f"layers.*.{key}": style for key, style in _layer_plan(case).items()}
+        parallelize_module(model, mesh, {**_root_plan(case), **blocks}, **rank)
+    else:
+        parallelize_module(model, mesh, _root_plan(case), **rank)
+        for layer in model.layers:
+            parallelize_module(layer, mesh, _layer_plan(case), **rank)
+    parallelize_module(model.output, mesh, _head_plan(case), **rank)
     if case.weight_tying:
         # Both are Shard(0) of a (vocab, dim) weight: one parameter, one gradient.
         model.output.weight = model.tok_embeddings.weight
@@ -406,7 +434,7 @@ def _trace(model: nn.Module, case: TransformerCase, device: torch.device) -> Tra
         # kernels then mix them with DTensors, which upstream allows this way.
         with implicit_replication(), counting() as step_counts:
             optimizer.step()
-        outputs.append(to_numpy(output.detach()))
+        outputs.append(full_array(output.detach()))
         if step == 0:
             grads = {
                 n: full_array(p.grad) for n, p in model.named_parameters() if p.grad is not None
