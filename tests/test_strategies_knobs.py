@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harness.cases.checkpointing import Checkpointing
 from harness.cases.knobs import Knobs, Precision
 from harness.cases.training import OptimConfig, ParityCase, shard_size
 from harness.errors import InvalidArgument
@@ -159,3 +160,9 @@ def test_paths_a_world_size_cannot_reach_are_refused() -> None:
         parity_cases(2, layout="fsdp", one_rank_shard=True)
     with pytest.raises(InvalidArgument, match=r"one_rank_shard=True must be False with premul"):
         parity_cases(4, layout="hsdp", premul_sum=True, one_rank_shard=True)
+
+
+def test_knobs_refuse_a_sharded_first_layer_that_checkpointing_recomputes():
+    with pytest.raises(InvalidArgument, match="first_layer_stays_sharded=True must be False"):
+        Knobs(first_layer_stays_sharded=True, checkpoint=Checkpointing(layers=(0, 1)))
+    Knobs(first_layer_stays_sharded=True, checkpoint=Checkpointing(layers=(1,)))

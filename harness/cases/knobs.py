@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.cases.checkpointing import Checkpointing
-from harness.errors import check_one_of
+from harness.errors import check_one_of, require
 
 PRECISION_DTYPES = ("bfloat16", "float32")
 
@@ -63,6 +63,12 @@ class Knobs:
     """``set_is_last_backward`` True before the last micro-batch only."""
     reshard_to: int | None = None
     """``reshard_after_forward`` as an int: reshard to groups of this many ranks."""
+    reset_reshard_after_forward: tuple[bool, bool] | None = None
+    """``set_reshard_after_forward(value, recurse)`` on the root after sharding, as
+    ``(value, recurse)``; None: not called."""
+    first_layer_stays_sharded: bool = False
+    """``set_unshard_in_backward(False)`` on the first Linear, whose weight its backward
+    does not need (the model's input needs no gradient)."""
     explicit_unshard: bool = False
     """``unshard(async_op=True)`` on every module before each forward, ``reshard()``
     after each optimizer step."""
@@ -78,6 +84,16 @@ class Knobs:
     sharding; None: none."""
     flatten: tuple[int, int] | None = None
     """fsdp: the 1-D mesh is this 2-D mesh flattened (``mesh._flatten()``)."""
+
+    def __post_init__(self) -> None:
+        recomputed = self.checkpoint is not None and 0 in self.checkpoint.layers
+        require(
+            not (self.first_layer_stays_sharded and recomputed),
+            "first_layer_stays_sharded",
+            self.first_layer_stays_sharded,
+            "False where the first Linear is checkpointed (its recomputation in backward "
+            "needs the weight unsharded, which set_unshard_in_backward(False) forgoes)",
+        )
 
     def describe(self) -> str:
         turned = {k: v for k, v in self.__dict__.items() if v not in (None, False, 0, ())}

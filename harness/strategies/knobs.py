@@ -85,7 +85,9 @@ def draw_knobs(
         chosen = _resharding(draw, chosen, layout, mesh, layers, focused=focus == "resharding")
     if "checkpoint" in turned:
         hooked = layout in TP_LAYOUTS
-        chosen = replace(chosen, checkpoint=draw(checkpointings(layers, hooked=hooked)))
+        how = draw(checkpointings(layers, hooked=hooked))
+        stays_sharded = chosen.first_layer_stays_sharded and 0 not in how.layers
+        chosen = replace(chosen, checkpoint=how, first_layer_stays_sharded=stays_sharded)
     return replace(chosen, keyword_input=draw(st.booleans())), micro_batches
 
 
@@ -161,8 +163,13 @@ def _resharding(
         explicit_unshard=draw(st.booleans()),
         forward_prefetch=draw(_prefetch_plans(layers, forward=True)),
         backward_prefetch=draw(_prefetch_plans(layers, forward=False)),
+        reset_reshard_after_forward=draw(st.none() | st.tuples(st.booleans(), st.booleans())),
+        first_layer_stays_sharded=draw(st.booleans()),
     )
-    controls = (chosen.reshard_to, chosen.explicit_unshard, *chosen.forward_prefetch)
+    controls = (
+        *(chosen.reshard_to, chosen.explicit_unshard, *chosen.forward_prefetch),
+        *(chosen.reset_reshard_after_forward, chosen.first_layer_stays_sharded),
+    )
     if focused and not any(controls) and not any(chosen.backward_prefetch):
         chosen = replace(chosen, explicit_unshard=True)
     return chosen

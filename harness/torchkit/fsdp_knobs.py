@@ -68,6 +68,11 @@ def set_knobs(root: nn.Module, layers: list[nn.Module], knobs: Knobs) -> None:
         if knobs.force_sum_reduction:
             module.set_force_sum_reduction_for_comms(True)
     sharded = [_as_fsdp(layer) for layer in layers]
+    if knobs.reset_reshard_after_forward is not None:
+        value, recurse = knobs.reset_reshard_after_forward
+        _as_fsdp(root).set_reshard_after_forward(value, recurse=recurse)
+    if knobs.first_layer_stays_sharded:
+        sharded[0].set_unshard_in_backward(False)
     for layer, targets in zip(sharded, knobs.forward_prefetch, strict=False):
         layer.set_modules_to_forward_prefetch([sharded[i] for i in targets])
     for layer, targets in zip(sharded, knobs.backward_prefetch, strict=False):
