@@ -52,12 +52,16 @@ class OptimizerModel:
             fail("options", dict(self.options), expected)
         self.options = {**_DEFAULTS[self.name], "maximize": False, **self.options}
 
-    def step(self, params: Sequence[np.ndarray], grads: Sequence[np.ndarray]) -> None:
+    def step(self, params: Sequence[np.ndarray], grads: Sequence[np.ndarray | None]) -> None:
+        """Each parameter stepped by its gradient; one without (None) is skipped, its state
+        untouched (its step count stays behind), as torch.optim skips a ``grad`` of None."""
         if len(params) != len(grads):
             fail("len(grads)", len(grads), f"one grad per param, len(params)={len(params)}")
         while len(self.state) < len(params):
             self.state.append({})
         for param, grad, state in zip(params, grads, self.state, strict=False):
+            if grad is None:
+                continue
             if param.shape != grad.shape:
                 fail("grad.shape", grad.shape, f"the param's shape {param.shape}")
             param[...] = self._rule(param, grad, state)

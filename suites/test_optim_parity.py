@@ -451,8 +451,17 @@ def test_optimizer_steps_match_the_spec_model(world: World, data: st.DataObject)
     parity.note_reference("numpy: specs.optimizers (the torch.optim documentation's algorithms)")
     gathered = world.run(step_on_rank, case)
     rtol, atol = STEP_TOLERANCE[case.dtype]
-    for rank, params in enumerate(gathered):
-        for index, (got, want) in enumerate(zip(params, expected, strict=True)):
+    given = case.given_grads(case.steps - 1)
+    for rank, stepped in enumerate(gathered):
+        for index, (got_grad, want_grad) in enumerate(zip(stepped.grads, given, strict=True)):
+            # step() reads the gradients: it must leave them as backward left them
+            what = f"gradient {index} on rank {rank} after the last step (as given)"
+            if want_grad is None:
+                assert got_grad is None, f"{what}: got an array, should be None [{case.call()}]"
+            else:
+                assert got_grad is not None, f"{what}: got None [{case.call()}]"
+                assert_array_equal(got_grad, want_grad.astype(case.dtype), what=what)
+        for index, (got, want) in enumerate(zip(stepped.params, expected, strict=True)):
             assert_close(
                 got,
                 want,

@@ -34,10 +34,11 @@ class Checkpointing:
     ops to save rather than a function; ``allow_cache_entry_mutation`` is handed to it.
     ``preserve_rng_state=False`` only where nothing random runs in the layers (dropout's
     masks would differ on recomputation, as documented).
-    ``determinism_check``, ``debug`` and ``early_stop`` are options of the non-reentrant
-    implementation, left at their defaults when reentrant. ``debug=True`` is refused by
-    torch 2.13 beside any ``context_fn``: a selective policy's, and the one the composable
-    ``checkpoint`` always passes (so its ``debug`` option can never be turned on)."""
+    ``determinism_check`` and ``early_stop`` are options of the non-reentrant
+    implementation, left at their defaults when reentrant. ``debug`` is left off: torch's
+    debug mode logs every op through a process-wide logger that rank threads share (a
+    rank's records reach another's handler: TypeError in logging), torch 2.13 refuses it
+    beside any ``context_fn``, and the composable ``checkpoint`` always passes one."""
 
     api: str = "wrapper"
     layers: tuple[int, ...] = (0,)
@@ -47,7 +48,6 @@ class Checkpointing:
     allow_cache_entry_mutation: bool = False
     preserve_rng_state: bool = True
     determinism_check: str = "default"
-    debug: bool = False
     early_stop: bool = True
 
     def __post_init__(self) -> None:
@@ -63,7 +63,6 @@ class Checkpointing:
             require(self.api in REENTRANT_APIS, "api", self.api, f"one of {REENTRANT_APIS}")
             require(0 not in self.layers, "layers", self.layers, "no layer 0 when reentrant")
             require(self.save is None, "save", self.save, "None when reentrant")
-            require(not self.debug, "debug", self.debug, "False when reentrant")
             require(self.early_stop, "early_stop", self.early_stop, "True when reentrant")
             check_one_of("determinism_check", self.determinism_check, ("default",))
         if self.save is not None:
@@ -81,13 +80,6 @@ class Checkpointing:
             self.allow_cache_entry_mutation,
             "False without a save policy",
         )
-        require(
-            not self.debug or (self.save is None and self.api != "composable"),
-            "debug",
-            self.debug,
-            "False with a save policy or the composable API (both pass checkpoint a "
-            "context_fn, which torch refuses beside debug=True)",
-        )
 
     def describe(self) -> str:
         options = [f"layers {list(self.layers)}", "reentrant" if self.reentrant else ""]
@@ -95,9 +87,8 @@ class Checkpointing:
             options.append(f"selective {self.save}{' (list)' if self.policy_as_list else ''}")
         if not self.preserve_rng_state:
             options.append("preserve_rng_state=False")
-        if self.determinism_check != "default" or self.debug or not self.early_stop:
+        if self.determinism_check != "default" or not self.early_stop:
             options.append(
-                f"determinism_check={self.determinism_check!r}, debug={self.debug}, "
-                f"early_stop={self.early_stop}"
+                f"determinism_check={self.determinism_check!r}, early_stop={self.early_stop}"
             )
         return f"checkpoint via {self.api}: {', '.join(o for o in options if o)}"

@@ -248,6 +248,22 @@ class StepCase:
     """``differentiable=True``: the parameters are clones of leaves and the gradients clones
     of leaves too, the steps recorded by autograd; afterwards the sum of the parameters
     weighted by ``weights()`` is differentiated back to both leaves."""
+    idle: tuple[tuple[int, int], ...] = ()
+    """``(step, parameter)`` pairs where that parameter has no gradient (``grad`` None):
+    the step skips it, so parameters of one group reach different step counts."""
+
+    def __post_init__(self) -> None:
+        for step, index in self.idle:
+            require(
+                0 <= step < self.steps and 0 <= index < len(self.shapes),
+                "idle",
+                self.idle,
+                f"(step, parameter) pairs within {self.steps} step(s) and "
+                f"{len(self.shapes)} parameter(s)",
+            )
+        require(
+            not (self.differentiable and self.idle), "idle", self.idle, "() when differentiable"
+        )
 
     def weights(self) -> list[np.ndarray]:
         """The weights of the loss a differentiable run back-propagates."""
@@ -264,6 +280,10 @@ class StepCase:
         rng = np.random.default_rng([self.seed, step + 1])
         return [self._rounded(rng.uniform(-1.0, 1.0, size=shape)) for shape in self.shapes]
 
+    def given_grads(self, step: int) -> list[np.ndarray | None]:
+        """``grads(step)``, None for the parameters ``idle`` at ``step``."""
+        return [None if (step, i) in self.idle else g for i, g in enumerate(self.grads(step))]
+
     def _rounded(self, array: np.ndarray) -> np.ndarray:
         return np.asarray(array, dtype=self.dtype).astype(np.float64)
 
@@ -276,9 +296,10 @@ class StepCase:
         differentiable = ", differentiable=True, backward to params and grads" * bool(
             self.differentiable
         )
+        idle = f", no grad at (step, param) {list(self.idle)}" if self.idle else ""
         return (
             f"{self.steps} step(s) of {self.optim.describe()}{differentiable} on {self.dtype} "
-            f"params {list(self.shapes)} as {layout}"
+            f"params {list(self.shapes)} as {layout}{idle}"
         )
 
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 from hypothesis import strategies as st
 
 from harness.cases.knobs import PRECISION_DTYPES, Knobs, Precision
-from harness.cases.training import FSDP_LAYOUTS, TP_LAYOUTS, data_parallel, shard_size
+from harness.cases.training import FSDP_LAYOUTS, data_parallel, shard_size
 from harness.errors import check_one_of, check_subset
 from harness.strategies._common import factorisations, reshard_factors, sampled
 from harness.strategies.checkpointing import checkpointings
@@ -84,8 +84,7 @@ def draw_knobs(
     if "resharding" in turned:
         chosen = _resharding(draw, chosen, layout, mesh, layers, focused=focus == "resharding")
     if "checkpoint" in turned:
-        hooked = layout in TP_LAYOUTS
-        how = draw(checkpointings(layers, hooked=hooked))
+        how = draw(checkpointings(layers))
         stays_sharded = chosen.first_layer_stays_sharded and 0 not in how.layers
         chosen = replace(chosen, checkpoint=how, first_layer_stays_sharded=stays_sharded)
     return replace(chosen, keyword_input=draw(st.booleans())), micro_batches

@@ -484,7 +484,7 @@ def step_cases(
     """1-4 float32/float64 parameters of shapes near the mesh's axis sizes, as plain tensors
     or as DTensors laid out by Shard/Replicate placements (uneven and empty shards), and any
     optimizer configuration of those ``specs.optimizers`` models (for DTensors none of the
-    ``dtensor_unsupported`` pairs).
+    ``dtensor_unsupported`` pairs); some parameters have no gradient at some steps.
     ``differentiable=True``: DTensors always, ``differentiable=True`` steps of the default
     kernels (torch's foreach and fused kernels refuse autograd), a tensor lr sometimes."""
     mesh = draw(mesh_shapes(world_size))
@@ -507,15 +507,19 @@ def step_cases(
         kept = tuple((k, v) for k, v in optim.options if k not in dropped)
         options = (*kept, ("differentiable", True))
         optim = replace(optim, options=options, tensor_lr=draw(st.booleans()))
+    steps = draw(st.integers(1, 4))
+    pairs = [(step, index) for step in range(steps) for index in range(count)]
+    idle = () if differentiable else draw(st.lists(sampled(tuple(pairs)), unique=True).map(sorted))
     return StepCase(
         mesh_shape=mesh,
         shapes=drawn,
         placements=laid_out,
         dtype=draw(sampled(("float64", "float32"))),
         optim=optim,
-        steps=draw(st.integers(1, 4)),
+        steps=steps,
         seed=draw(seeds()),
         differentiable=differentiable,
+        idle=tuple(idle),
     )
 
 

@@ -85,7 +85,6 @@ def checkpoint_options(how: Checkpointing) -> dict[str, Any]:
     if not how.reentrant:
         options |= {
             "determinism_check": how.determinism_check,
-            "debug": how.debug,
             "early_stop": how.early_stop,
         }
     context_fn = _context_fn(how)

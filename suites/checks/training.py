@@ -169,15 +169,26 @@ def _laid_out(ctx: RankContext, case: StepCase, index: int, array: np.ndarray) -
     return distribute_tensor(tensor, mesh, to_torch_placements(case.placements[index]))
 
 
-def step_on_rank(ctx: RankContext, case: StepCase) -> list[np.ndarray]:
-    """Every parameter, whole, after ``case.steps`` steps (a collective per DTensor)."""
+@dataclass(frozen=True)
+class Stepped:
+    """Every parameter, whole, after the steps; and every gradient, whole, as the last step
+    left it (None where the parameter had none)."""
+
+    params: list[np.ndarray]
+    grads: list[np.ndarray | None]
+
+
+def step_on_rank(ctx: RankContext, case: StepCase) -> Stepped:
+    """``case.steps`` steps, each handed its gradients (a collective per DTensor to gather
+    the results)."""
     params = [torch.nn.Parameter(_laid_out(ctx, case, i, a)) for i, a in enumerate(case.params())]
     optimizer = build_optimizer(case.optim, [{"params": params}])
     for step in range(case.steps):
-        for i, (param, grad) in enumerate(zip(params, case.grads(step), strict=True)):
-            param.grad = _laid_out(ctx, case, i, grad)
+        for i, (param, grad) in enumerate(zip(params, case.given_grads(step), strict=True)):
+            param.grad = None if grad is None else _laid_out(ctx, case, i, grad)
         optimizer.step()
-    return [full_array(p) for p in params]
+    grads = [None if p.grad is None else full_array(p.grad) for p in params]
+    return Stepped([full_array(p) for p in params], grads)
 
 
 @dataclass(frozen=True)
@@ -242,5 +253,5 @@ def step_model(case: StepCase) -> list[np.ndarray]:
     model = OptimizerModel(case.optim.name, case.optim.lr, dict(case.optim.options))
     params = case.params()
     for step in range(case.steps):
-        model.step(params, case.grads(step))
+        model.step(params, case.given_grads(step))
     return params
