@@ -6,6 +6,7 @@ import math
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -21,6 +22,7 @@ from harness.strategies import (
     FSDP_LAYOUTS,
     KNOB_FAMILIES,
     checkpointings,
+    clip_cases,
     clippings,
     comm_hooks,
     optim_configs,
@@ -28,11 +30,13 @@ from harness.strategies import (
     step_cases,
 )
 from harness.torchkit.optim import describe_reference, reference_run
+from specs.clipping import clipped_by_norm, clipped_by_value, total_norm
 from suites.checks.ddp_hooks import assert_within_rounding, hooked_grads_on_rank, rounded_mean
 from suites.checks.training import (
     assert_same_training,
     assert_trained_like,
     checkpointed_dropout_on_rank,
+    clip_on_rank,
     ddp_forward_buffers_on_rank,
     differentiable_steps_on_rank,
     differentiable_steps_reference,
@@ -471,6 +475,59 @@ def test_optimizer_steps_match_the_spec_model(world: World, data: st.DataObject)
                 what=f"parameter {index} on rank {rank}",
                 why="torch rounds intermediates where the float64 model does not",
                 record_as=f"param/{case.dtype}",
+            )
+
+
+# float32: torch sums the powers per tensor, then over tensors (and over shards for DTensors),
+# where the float64 model sums all at once: a few ulps of the norm and of every clipped value.
+CLIP_TOLERANCE = {"float64": (1e-12, 1e-15), "float32": (1e-5, 1e-7)}  # (rtol, atol)
+
+
+@pytest.mark.spec("optim.clip.matches_spec")
+@PROPERTY
+@given(data=st.data())
+def test_gradient_clipping_matches_the_spec_model(world: World, data: st.DataObject) -> None:
+    case = data.draw(clip_cases(world.world_size), label="case")
+    parity.attach(case.call())
+    grads, clipping = case.grads(), case.clipping
+    total = None if clipping.how == "value" else total_norm(grads, clipping.norm_type)
+    if total is None:
+        want = clipped_by_value(grads, clipping.bound)
+    else:
+        want = clipped_by_norm(grads, clipping.bound, total)
+    parity.note_reference("numpy: specs.clipping (torch.nn.utils' documented clipping)")
+    refuses = total is not None and not math.isfinite(total) and clipping.error_if_nonfinite
+    rtol, atol = CLIP_TOLERANCE[case.dtype]
+    for rank, clipped in enumerate(world.run(clip_on_rank, case)):
+        if refuses:
+            # the total norm is one value on every rank: every rank must refuse it
+            refused = clipped.error or "no error"
+            assert "non-finite" in refused, (
+                f"rank {rank}: got {refused}, should be a RuntimeError on the non-finite "
+                f"total norm {total} [{case.call()}]"
+            )
+            continue
+        assert clipped.error is None, f"rank {rank}: got {clipped.error} [{case.call()}]"
+        if total is not None:
+            assert clipped.total is not None, f"rank {rank}: no total norm [{case.call()}]"
+            assert_close(
+                clipped.total,
+                np.array(total),
+                rtol=rtol,
+                atol=atol,
+                dtype=case.dtype,
+                what=f"total norm on rank {rank}",
+                why="float32 sums the powers in another order",
+            )
+        for index, (got, expected) in enumerate(zip(clipped.grads, want, strict=True)):
+            assert_close(
+                got,
+                expected,
+                rtol=rtol,
+                atol=atol,
+                dtype=case.dtype,
+                what=f"gradient {index} on rank {rank}",
+                why="float32 sums the powers in another order",
             )
 
 

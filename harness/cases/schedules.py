@@ -3,10 +3,14 @@ after it, and the gradients clipped before it."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from harness.errors import check_one_of, require
+from specs.placements import Placement
 
 SCHEDULERS = (
     *("StepLR", "MultiStepLR", "ConstantLR", "LinearLR", "ExponentialLR"),
@@ -80,3 +84,56 @@ class Clipping:
         if self.how == "norm":
             return f"clip_grad_norm_({self.bound}, {norm})"
         return f"clip_grads_with_norm_({self.bound}, get_total_norm({norm}))"
+
+
+NONFINITE = ("inf", "nan")
+"""The non-finite values a clip case can put into a gradient."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClipCase:
+    """Seeded gradients of ``shapes`` (times ``scale``), plain tensors on every rank or
+    DTensors laid out by ``placements`` (one tuple per gradient, one placement per axis of
+    ``mesh_shape``), clipped once by ``clipping``. ``nonfinite`` puts inf or nan into
+    gradient ``at[0]`` at flat index ``at[1]``."""
+
+    mesh_shape: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    placements: tuple[tuple[Placement, ...], ...] | None
+    dtype: str
+    seed: int
+    clipping: Clipping
+    scale: float = 1.0
+    nonfinite: str | None = None
+    at: tuple[int, int] = (0, 0)
+
+    def __post_init__(self) -> None:
+        check_one_of("dtype", self.dtype, ("float32", "float64"))
+        require(bool(self.shapes), "shapes", self.shapes, "at least one gradient")
+        if self.nonfinite is None:
+            return
+        check_one_of("nonfinite", self.nonfinite, NONFINITE)
+        index, flat = self.at
+        fits = 0 <= index < len(self.shapes) and 0 <= flat < math.prod(self.shapes[index])
+        require(fits, "at", self.at, f"an element of one of the gradients {self.shapes}")
+
+    def grads(self) -> list[np.ndarray]:
+        """The gradients, rounded to ``dtype`` and held in float64."""
+        rng = np.random.default_rng([self.seed, 7])
+        grads = [self.scale * rng.uniform(-1.0, 1.0, size=shape) for shape in self.shapes]
+        if self.nonfinite is not None:
+            index, flat = self.at
+            grads[index].reshape(-1)[flat] = math.inf if self.nonfinite == "inf" else math.nan
+        return [np.asarray(g, dtype=self.dtype).astype(np.float64) for g in grads]
+
+    def call(self) -> str:
+        layout = (
+            "plain tensors"
+            if self.placements is None
+            else (f"DTensors on mesh {self.mesh_shape} with placements {list(self.placements)}")
+        )
+        poisoned = f", {self.nonfinite} at gradient {self.at[0]}[{self.at[1]}]"
+        return (
+            f"{self.clipping.describe()} of {self.dtype} gradients {list(self.shapes)} "
+            f"(scale {self.scale}) as {layout}{poisoned if self.nonfinite else ''}"
+        )

@@ -64,7 +64,7 @@ from harness.strategies.programs import (
     inplace_on_partial_cases,
     program_cases,
 )
-from harness.strategies.schedules import clippings, schedules
+from harness.strategies.schedules import clip_cases, clippings, schedules
 from harness.strategies.state_dict import (
     layout_meshes,
     mid_step_cases,
@@ -105,6 +105,7 @@ __all__ = [
     "MAX_SIDE",
     "checkpointings",
     "class_counts",
+    "clip_cases",
     "clippings",
     "comm_hooks",
     "container_cases",

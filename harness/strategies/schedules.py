@@ -3,17 +3,29 @@ gradient clipping (``cases.schedules``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
+import numpy as np
 from hypothesis import strategies as st
 
-from harness.cases.schedules import CLIPS, LR_LAMBDAS, MOMENTUM_CYCLED, Clipping, Schedule
+from harness.cases.schedules import (
+    CLIPS,
+    LR_LAMBDAS,
+    MOMENTUM_CYCLED,
+    NONFINITE,
+    ClipCase,
+    Clipping,
+    Schedule,
+)
 from harness.cases.training import OPTIMIZERS
 from harness.errors import check_int, check_one_of, check_subset
-from harness.strategies._common import sampled
+from harness.strategies._common import mesh_shapes, sampled, seeds, shapes, takes_world_size
+from harness.strategies.placements import placements
+from specs.placements import Placement, local_arrays
 
 Options = tuple[tuple[str, Any], ...]
 NORM_TYPES = (2.0, 1.0, math.inf)
@@ -142,3 +154,51 @@ def _clippings(norm_types: tuple[float, ...], by_value: bool) -> st.SearchStrate
         return by_norm
     value = st.builds(Clipping, how=st.just("value"), bound=sampled((0.1, 0.01)), foreach=foreach)
     return by_norm | value
+
+
+@takes_world_size
+@st.composite
+def clip_cases(draw: st.DrawFn, world_size: int) -> ClipCase:
+    """1-4 gradients of shapes near the mesh's axis sizes, as plain tensors or as DTensors
+    laid out by Shard/Replicate placements (uneven and empty shards), scaled so that the
+    total norm falls on either side of the bound, clipped by any drawn clipping; sometimes
+    with inf or nan at one element (wherever it lands: on one rank's shard only, or
+    replicated). Never the inf-norm where a gradient or a rank's piece of it is empty:
+    torch 2.13's foreach inf-norm refuses an empty tensor (spec
+    optim.fsdp.clip_inf_norm_empty_shard checks that path)."""
+    mesh = draw(mesh_shapes(world_size))
+    count = draw(st.integers(1, 4))
+    drawn = tuple(draw(shapes(max_ndim=2, near=max(mesh))) for _ in range(count))
+    laid_out = None
+    if draw(st.booleans()):
+        laid_out = tuple(draw(placements(len(mesh), len(s), reduce_ops=())) for s in drawn)
+    elements = [(i, flat) for i, shape in enumerate(drawn) for flat in range(math.prod(shape))]
+    nonfinite = draw(st.none() | sampled(NONFINITE)) if elements else None
+    clipping = draw(clippings())
+    if clipping.norm_type == math.inf and _has_empty_piece(mesh, drawn, laid_out):
+        clipping = dataclasses.replace(clipping, norm_type=2.0)
+    return ClipCase(
+        mesh_shape=mesh,
+        shapes=drawn,
+        placements=laid_out,
+        dtype=draw(sampled(("float64", "float32"))),
+        seed=draw(seeds()),
+        clipping=clipping,
+        scale=draw(sampled((1.0, 0.01))),
+        nonfinite=nonfinite,
+        at=draw(sampled(tuple(elements))) if nonfinite else (0, 0),
+    )
+
+
+def _has_empty_piece(
+    mesh: tuple[int, ...],
+    drawn: tuple[tuple[int, ...], ...],
+    laid_out: tuple[tuple[Placement, ...], ...] | None,
+) -> bool:
+    if laid_out is None:
+        return any(math.prod(shape) == 0 for shape in drawn)
+    return any(
+        piece.size == 0
+        for shape, layout in zip(drawn, laid_out, strict=True)
+        for piece in local_arrays(np.zeros(shape), mesh, layout).values()
+    )

@@ -61,18 +61,21 @@ def _build(schedule: Schedule, optimizer: torch.optim.Optimizer) -> Any:
     return cls(optimizer, **options)
 
 
-def clip_gradients(parameters: Iterable[torch.Tensor], clipping: Clipping | None) -> None:
-    """Clip the gradients of ``parameters`` as ``clipping`` says (nothing for None)."""
+def clip_gradients(
+    parameters: Iterable[torch.Tensor], clipping: Clipping | None
+) -> torch.Tensor | None:
+    """Clip the gradients of ``parameters`` as ``clipping`` says (nothing for None); the
+    total norm a norm clip measured (None for a clip by value)."""
     if clipping is None:
-        return
+        return None
     params = list(parameters)
     if clipping.how == "value":
         torch.nn.utils.clip_grad_value_(params, clipping.bound, foreach=clipping.foreach)
-        return
+        return None
     norm = (clipping.norm_type, clipping.error_if_nonfinite, clipping.foreach)
     if clipping.how == "norm":
-        torch.nn.utils.clip_grad_norm_(params, clipping.bound, *norm)
-        return
+        return torch.nn.utils.clip_grad_norm_(params, clipping.bound, *norm)
     grads = [p.grad for p in params if p.grad is not None]
     total = torch.nn.utils.get_total_norm(grads, *norm)
     torch.nn.utils.clip_grads_with_norm_(params, clipping.bound, total, foreach=clipping.foreach)
+    return total

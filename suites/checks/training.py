@@ -12,6 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from harness import RankContext
+from harness.cases.schedules import ClipCase
 from harness.cases.training import ParityCase, StepCase
 from harness.parity import assert_close, assert_equal_values
 from harness.torchkit.dtensor import full_array, tensor_from, to_numpy, to_torch_placements
@@ -25,6 +26,7 @@ from harness.torchkit.optim import (
     Trained,
     build_optimizer,
 )
+from harness.torchkit.schedules import clip_gradients
 from harness.torchkit.training import (
     data_parallel_ranks,
     optimizer_for,
@@ -161,7 +163,9 @@ def ddp_forward_buffers_on_rank(ctx: RankContext, case: ParityCase) -> list[np.n
     return seen
 
 
-def _laid_out(ctx: RankContext, case: StepCase, index: int, array: np.ndarray) -> torch.Tensor:
+def _laid_out(
+    ctx: RankContext, case: StepCase | ClipCase, index: int, array: np.ndarray
+) -> torch.Tensor:
     tensor = tensor_from(array, case.dtype, ctx.device)
     if case.placements is None:
         return tensor
@@ -255,3 +259,29 @@ def step_model(case: StepCase) -> list[np.ndarray]:
     for step in range(case.steps):
         model.step(params, case.given_grads(step))
     return params
+
+
+@dataclass(frozen=True)
+class Clipped:
+    """A rank's gradients, whole, after clipping, and the total norm the clip returned
+    (None for a clip by value); or the error the clip raised."""
+
+    grads: list[np.ndarray]
+    total: np.ndarray | None
+    error: str | None = None
+
+
+def clip_on_rank(ctx: RankContext, case: ClipCase) -> Clipped:
+    """``case.clipping`` of the case's gradients, laid out as the case says (a collective
+    per DTensor to gather the results)."""
+    params = []
+    for index, grad in enumerate(case.grads()):
+        param = torch.nn.Parameter(_laid_out(ctx, case, index, np.zeros_like(grad)))
+        param.grad = _laid_out(ctx, case, index, grad)
+        params.append(param)
+    try:
+        total = clip_gradients(params, case.clipping)
+    except RuntimeError as error:
+        return Clipped([], None, f"{type(error).__name__}: {error}")
+    whole = None if total is None else full_array(total)
+    return Clipped([full_array(p.grad) for p in params if p.grad is not None], whole)
