@@ -7,7 +7,9 @@ where one module would be too long: ``placements_rules`` (placement transforms, 
 plans, op and view sharding rules), ``placements_api`` (from_local / to_local, their
 gradients, result metadata, factories), ``placements_meshes``, ``uneven``,
 ``optim_data_parallel`` (FSDP2, HSDP and DDP around forward and backward),
-``optim_kernels`` (optimizer kernels, clip_grad_norm_), ``zero``, ``fsdp_init``,
+``optim_kernels`` (optimizer kernels, clip_grad_norm_), ``optim_training_surface``
+(activation checkpointing, DDP hooks, clipping, lr schedulers, more optimizers), ``zero``,
+``fsdp_init``,
 ``state_dict_dcp`` (distributed checkpoints), ``state_dict_api`` (the distributed
 state-dict API), ``hsdp``, ``tp``, ``ops_rules`` (the sharding rules of DTensor's ops:
 reductions, norms, losses, pointwise, foreach, random and matmul ops) and ``ops_rules_views``
@@ -43,6 +45,7 @@ from harness.faults import (
     ops_rules_views,
     optim_data_parallel,
     optim_kernels,
+    optim_training_surface,
     placements_api,
     placements_meshes,
     placements_rules,
@@ -66,6 +69,7 @@ _ALL = (
     *uneven.FAULTS,
     *optim_data_parallel.FAULTS,
     *optim_kernels.FAULTS,
+    *optim_training_surface.FAULTS,
     *zero.FAULTS,
     *fsdp_init.FAULTS,
     *state_dict_dcp.FAULTS,
