@@ -162,14 +162,6 @@ def _draw_case(
     return data.draw(strategy, label="case")
 
 
-def _checkpointed(case: ParityCase, how: Checkpointing) -> ParityCase:
-    """``case`` checkpointed as ``how`` says (its first Linear unsharded in backward where
-    ``how`` recomputes it: the recomputation needs the weight)."""
-    stays_sharded = case.knobs.first_layer_stays_sharded and 0 not in how.layers
-    knobs = replace(case.knobs, checkpoint=how, first_layer_stays_sharded=stays_sharded)
-    return replace(case, knobs=knobs)
-
-
 def _check_knob(world: World, data: st.DataObject, focus: str) -> None:
     """A drawn training run with ``focus`` turned (and others sometimes) against one device."""
     options = {"variants": True, "knob_families": KNOB_FAMILIES, "focus": focus}
@@ -264,7 +256,7 @@ def test_composable_selective_checkpoint_of_tp_layers(world: World, data: st.Dat
         save=data.draw(st.sampled_from(SAVE_POLICIES), label="save"),
         early_stop=False,
     )
-    _check(world, _checkpointed(case, how))
+    _check(world, replace(case, knobs=case.knobs.with_checkpoint(how)))
 
 
 @pytest.mark.spec("optim.knobs.checkpointing_dropout")
@@ -279,7 +271,7 @@ def test_checkpointing_replays_dropout(world: World, data: st.DataObject) -> Non
     families = tuple(f for f in KNOB_FAMILIES if f != "checkpoint")  # the check turns it
     case = _draw_case(world, data, ("fsdp", "hsdp"), variants=True, knob_families=families)
     how = data.draw(checkpointings(len(case.dims) - 1, random=True), label="checkpointing")
-    case = _checkpointed(case, how)
+    case = replace(case, knobs=case.knobs.with_checkpoint(how))
     case = replace(case, dropout=data.draw(st.sampled_from((0.1, 0.5)), label="dropout"))
     parity.attach(f"{case.call()}, with and without {how.describe()}")
     parity.note_reference("the same layout without activation checkpointing, same seeds")

@@ -17,6 +17,8 @@ SAVE_POLICIES = ("save_matmuls", "recompute_all", "save_all")
 """Selective checkpointing's policies, by name (``torchkit.checkpointing``): save the
 outputs of the matrix products and recompute the rest, recompute everything, save
 everything. A case holds no callable, so it pickles to rank processes."""
+LISTABLE_POLICIES = ("save_matmuls", "recompute_all")
+"""The save policies a list of ops can state (those listed saved, the rest recomputed)."""
 REENTRANT_APIS = ("wrapper", "apply", "function")
 """The APIs that take the reentrant implementation (the composable one has none)."""
 
@@ -68,10 +70,10 @@ class Checkpointing:
         if self.save is not None:
             check_one_of("save", self.save, SAVE_POLICIES)
         require(
-            self.save in ("save_matmuls", "recompute_all") or not self.policy_as_list,
+            self.save in LISTABLE_POLICIES or not self.policy_as_list,
             "policy_as_list",
             self.policy_as_list,
-            "False unless save is 'save_matmuls' or 'recompute_all' (a list names what to save)",
+            f"False unless save is one of {LISTABLE_POLICIES} (a list names what to save)",
         )
         check_one_of("determinism_check", self.determinism_check, ("default", "none"))
         require(

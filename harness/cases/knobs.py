@@ -3,7 +3,7 @@ policies per module (``Precision``), which ``harness.strategies.knobs`` draws.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from harness.cases.checkpointing import Checkpointing
 from harness.errors import check_one_of, require
@@ -86,18 +86,27 @@ class Knobs:
     """fsdp: the 1-D mesh is this 2-D mesh flattened (``mesh._flatten()``)."""
 
     def __post_init__(self) -> None:
-        recomputed = self.checkpoint is not None and 0 in self.checkpoint.layers
         require(
-            not (self.first_layer_stays_sharded and recomputed),
+            not (self.first_layer_stays_sharded and _recomputes_first_layer(self.checkpoint)),
             "first_layer_stays_sharded",
             self.first_layer_stays_sharded,
             "False where the first Linear is checkpointed (its recomputation in backward "
             "needs the weight unsharded, which set_unshard_in_backward(False) forgoes)",
         )
 
+    def with_checkpoint(self, how: Checkpointing | None) -> Knobs:
+        """These knobs with ``how``'s checkpointing; the first Linear unsharded in backward
+        again where ``how`` recomputes it (the recomputation needs its weight)."""
+        stays_sharded = self.first_layer_stays_sharded and not _recomputes_first_layer(how)
+        return replace(self, checkpoint=how, first_layer_stays_sharded=stays_sharded)
+
     def describe(self) -> str:
         turned = {k: v for k, v in self.__dict__.items() if v not in (None, False, 0, ())}
         return ", ".join(f"{k}={v}" for k, v in turned.items())
+
+
+def _recomputes_first_layer(how: Checkpointing | None) -> bool:
+    return how is not None and 0 in how.layers
 
 
 NO_KNOBS = Knobs()

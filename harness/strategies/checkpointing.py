@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from harness.cases.checkpointing import (
     CHECKPOINT_APIS,
+    LISTABLE_POLICIES,
     REENTRANT_APIS,
     SAVE_POLICIES,
     Checkpointing,
@@ -51,7 +52,7 @@ def _checkpointings(draw: st.DrawFn, layers: int, random: bool) -> Checkpointing
         api=api,
         layers=tuple(chosen),
         save=save,
-        policy_as_list=save in ("save_matmuls", "recompute_all") and draw(st.booleans()),
+        policy_as_list=save in LISTABLE_POLICIES and draw(st.booleans()),
         allow_cache_entry_mutation=save is not None and draw(st.booleans()),
         preserve_rng_state=preserve_rng_state,
         determinism_check=draw(sampled(("default", "none"))),

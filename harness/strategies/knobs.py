@@ -84,9 +84,7 @@ def draw_knobs(
     if "resharding" in turned:
         chosen = _resharding(draw, chosen, layout, mesh, layers, focused=focus == "resharding")
     if "checkpoint" in turned:
-        how = draw(checkpointings(layers))
-        stays_sharded = chosen.first_layer_stays_sharded and 0 not in how.layers
-        chosen = replace(chosen, checkpoint=how, first_layer_stays_sharded=stays_sharded)
+        chosen = chosen.with_checkpoint(draw(checkpointings(layers)))
     return replace(chosen, keyword_input=draw(st.booleans())), micro_batches
 
 

@@ -19,6 +19,7 @@ from torch import nn
 from harness.cases.knobs import Precision
 from harness.cases.training import OptimConfig, ParityCase
 from harness.torchkit import devices
+from harness.torchkit.checkpointing import WRAPPED_ATTRIBUTE
 from harness.torchkit.dtensor import tensor_from, to_numpy, torch_dtype
 from harness.torchkit.models import build_mlp
 from harness.torchkit.schedules import build_scheduler, clip_gradients
@@ -195,8 +196,8 @@ def _set_flat_grads(model: nn.Module, flat: torch.Tensor) -> None:
         offset += count
 
 
-CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
-"""What ``checkpoint_wrapper`` puts into the names of the parameters it wraps."""
+CHECKPOINT_PREFIX = f"{WRAPPED_ATTRIBUTE}."
+"""What a checkpointing wrapper puts into the names of the parameters it wraps."""
 
 
 def named_full_params(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
