@@ -112,7 +112,8 @@ PROPERTY_RUNNERS = ("threads", "local")
 
 LOCAL_WORLD_SIZES = (4, 8, 16, 64)
 """Where ``overhead`` times the local runner against the thread runner; beyond world size 4
-with a fifth of the calls (a 64-rank placement call takes about a tenth of a second)."""
+with a fifth of the calls, at least 10 unless fewer were asked (a 64-rank placement call
+takes about a tenth of a second)."""
 
 
 def _local_rows(calls: int) -> list[dict[str, Any]]:
@@ -125,7 +126,7 @@ def _local_rows(calls: int) -> list[dict[str, Any]]:
     print(f"{'runner':<11}{'ws':>3}{'body':>11}{'ms/call':>10}{'threads':>11}{'ratio':>10}")
     local_rows = []
     for world_size in LOCAL_WORLD_SIZES:
-        count = calls if world_size <= 4 else max(10, calls // 5)
+        count = calls if world_size <= 4 else min(calls, max(10, calls // 5))
         for body in ("trivial", "placement"):
             times = {
                 runner: overhead.time_calls(runner, world_size, body, count, lacks=LocalWorld.lacks)

@@ -50,12 +50,13 @@ def sample_cases(world_size: int, count: int) -> list[DistributeCase]:
 def time_calls(
     runner: str, world_size: int, body: str, calls: int, *, lacks: frozenset[str] = frozenset()
 ) -> float:
-    """Mean milliseconds per ``world.run`` on a warm World, on the cases a World lacking
-    ``lacks`` serves (the same cases on every runner compared)."""
+    """Mean milliseconds per ``world.run`` on a warm World (every case timed has run once), on
+    the cases a World lacking ``lacks`` serves (the same cases on every runner compared)."""
     from harness import open_world
 
     fn, argument_lists = _body(body, world_size)
-    argument_lists = [args for args in argument_lists if all(_serves(a, lacks) for a in args)]
+    served = [args for args in argument_lists if all(_serves(a, lacks) for a in args)]
+    argument_lists = served[:calls]  # the calls rotate through these: warm only what is timed
     torchrun = None
     if runner == "torchrun":  # two local "nodes", torchrun started here
         from harness.runners.torchrun.world import TorchrunOptions
