@@ -59,8 +59,10 @@ def property_settings() -> settings:
 def costly(cost: int) -> settings:
     """Settings for a property whose examples cost about ``cost`` times a placement
     example's: the loaded profile's example budget buys ``1/cost`` of the examples (at least
-    2), so a profile bounds the time of a run rather than its example count. No per-example
-    deadline: World.run enforces its own (the first example of a World builds it).
+    2) at the reference world size, and a share of those at the others
+    (``examples_at``), so a profile bounds the time of a run rather than its example count.
+    No per-example deadline: World.run enforces its own (the first example of a World builds
+    it).
 
     How a suite picks ``cost`` for its costliest properties: so that the property's ci run
     over world sizes 1-4 takes about 5 s on the 2-core CI machine, but never fewer than 8
@@ -70,7 +72,39 @@ def costly(cost: int) -> settings:
     measured time an example next to its ``costly``."""
     check_int("cost", cost)
     budget = settings.default.max_examples if settings.default else 100
-    return settings(deadline=None, max_examples=max(2, budget // cost))
+    made = settings(deadline=None, max_examples=max(2, budget // cost))
+    _COSTLY.append(made)
+    return made
+
+
+_COSTLY: list[settings] = []
+"""Every settings object ``costly`` made: the properties whose examples a World's size
+divides (``examples_at``)."""
+
+REFERENCE_WORLD_SIZE = 2
+"""The world size where a costly property runs its whole budget. ``mutate`` catches most of
+the catalogue's faults there first (world size 1 rarely shows a distributed fault)."""
+
+
+def is_costly(made: settings) -> bool:
+    """Whether ``made`` came from ``costly``."""
+    return any(made is costly_settings for costly_settings in _COSTLY)
+
+
+def examples_at(world_size: int, max_examples: int) -> int:
+    """A costly property's examples at ``world_size``, of its ``max_examples`` at the
+    reference world size: all of them there, half at world sizes 1 and 3, a quarter from 4
+    on; never fewer than 2 (nor more than the budget).
+
+    Why: rank threads share one interpreter, so an example at world size n costs about n
+    times a rank's work (at the ci profile, 216 s of test time at world size 1, 395 at 2,
+    537 at 3 and 782 at 4), while the larger worlds are there for what only they show
+    (uneven pieces at 3, 2-D meshes from 4), which the examples drawn at every size share.
+    ``mutate`` at the same profile measures what the shares still catch."""
+    check_int("world_size", world_size)
+    check_int("max_examples", max_examples)
+    divisor = 1 if world_size == REFERENCE_WORLD_SIZE else 2 if world_size <= 3 else 4
+    return min(max_examples, max(2, max_examples // divisor))
 
 
 HANG_DEADLINE = 3.0

@@ -96,6 +96,46 @@ def test_world_fixture_runs_each_test_at_every_world_size(project):
     assert all(r["examples"] >= 1 for r in tests if r["spec"] == "demo.sum")
 
 
+COSTLY_SUITE = """
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from harness.profiles import costly
+
+
+@pytest.mark.spec("demo.sum")
+@costly(1)
+@given(value=st.integers(0, 10**6))
+def test_sum(world, value):
+    assert world.run(lambda ctx: ctx.rank) == list(range(world.world_size))
+
+
+@pytest.mark.spec("demo.rank")
+@settings(max_examples=8, deadline=None)
+@given(value=st.integers(0, 10**6))
+def test_rank(world, value):
+    assert world.run(lambda ctx: ctx.rank) == list(range(world.world_size))
+"""
+
+
+def test_a_costly_property_runs_a_share_of_its_examples_away_from_world_size_2(project):
+    _suite(project, COSTLY_SUITE)
+    results = project.path / "out" / "results.jsonl"
+    run = project.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--world-sizes=1,2,3,4", "--distconf-profile=dev",
+        f"--distconf-results={results}",
+    )  # fmt: skip
+    run.assert_outcomes(passed=8)
+    examples = {
+        (r["spec"], r["world_size"]): r["examples"]
+        for r in _records(results)
+        if r["kind"] == "test"
+    }
+    # dev: 10 examples at world size 2, half at 1 and 3, a quarter (never under 2) at 4
+    assert {size: examples["demo.sum", size] for size in (1, 2, 3, 4)} == {1: 5, 2: 10, 3: 5, 4: 2}
+    assert {examples["demo.rank", size] for size in (1, 2, 3, 4)} == {8}  # not costly: as set
+
+
 def test_cheap_first_runs_an_earlier_runs_fastest_tests_first_within_each_world(project):
     _suite(project, GOOD_SUITE)
     earlier = project.path / "earlier" / "results.jsonl"

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import Phase, settings
 from hypothesis.errors import UnsatisfiedAssumption
 
-from harness import parity
+from harness import parity, profiles
 from harness.config import RunConfig
 from harness.errors import InvalidArgument
 from harness.outcome import outputs
@@ -124,27 +124,36 @@ def observing(item: pytest.Item) -> Any:
     """Wraps a test's call (a hook wrapper's body): its parity metrics, its examples, its
     first failure; a known deviation runs unshrunk."""
     test = state.of(item)
-    with parity.collecting() as log, _unshrunk_if_expected_to_fail(item, test):
+    with parity.collecting() as log, _item_settings(item, test):
         test.parity = log
         return (yield from _counting_examples(item, test))
 
 
 @contextlib.contextmanager
-def _unshrunk_if_expected_to_fail(item: pytest.Item, test: state.TestState) -> Iterator[None]:
-    """A known deviation (strict xfail, or flaky: met by some examples) needs one failing
-    example for its verdict, and its expectation already names the smallest: shrinking it
-    again cost hundreds of examples per test (a third of a clean CPU run's time; on processes
-    a reset of the ranks each; on the local runner at world size 64, minutes)."""
+def _item_settings(item: pytest.Item, test: state.TestState) -> Iterator[None]:
+    """The test's settings for this item: a costly property's share of its examples at the
+    item's world size (``profiles.examples_at``); a known deviation (strict xfail, or flaky:
+    met by some examples) unshrunk, since it needs one failing example for its verdict and
+    its expectation already names the smallest: shrinking it again cost hundreds of
+    examples per test (a third of a clean CPU run's time; on processes a reset of the ranks
+    each; on the local runner at world size 64, minutes)."""
     function: Any = getattr(item, "obj", None)
     # @given keeps the test's settings on the test itself; there is no public way to
     # change them once @settings has been applied.
     current = getattr(function, "_hypothesis_internal_use_settings", None)
-    expected = test.expectation is not None and test.expectation["status"] in ("xfail", "flaky")
-    if not expected or current is None:
+    if current is None:
         yield
         return
-    phases = tuple(phase for phase in current.phases if phase is not Phase.shrink)
-    function._hypothesis_internal_use_settings = settings(current, phases=phases)
+    changes: dict[str, Any] = {}
+    key = world_key(item)
+    if key is not None and profiles.is_costly(current):
+        changes["max_examples"] = profiles.examples_at(key.world_size, current.max_examples)
+    if test.expectation is not None and test.expectation["status"] in ("xfail", "flaky"):
+        changes["phases"] = tuple(phase for phase in current.phases if phase is not Phase.shrink)
+    if not changes:
+        yield
+        return
+    function._hypothesis_internal_use_settings = settings(current, **changes)
     try:
         yield
     finally:
