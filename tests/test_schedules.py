@@ -4,17 +4,28 @@ would, strategies draw only what torch builds, and the clippings do what torch's
 from __future__ import annotations
 
 import math
+import warnings
+from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.cases.schedules import MOMENTUM_CYCLED, Clipping, Schedule
+from harness.cases.schedules import (
+    LAMBDA_FACTORS,
+    MOMENTUM_CYCLED,
+    Clipping,
+    Schedule,
+    ScheduleCase,
+)
 from harness.cases.training import OPTIMIZERS, OptimConfig
-from harness.strategies import clippings, schedules
+from harness.strategies import clippings, schedule_cases, schedules
 from harness.torchkit.optim import build_optimizer
 from harness.torchkit.schedules import build_scheduler, clip_gradients
+from specs.lr_schedules import trajectory
+from suites.checks.training import schedules_on_rank
 
 
 def test_a_schedule_refuses_an_unknown_scheduler_and_misplaced_parts():
@@ -103,3 +114,57 @@ def test_a_value_clipping_clamps_every_element():
 @given(clipping=clippings((2.0, 1.0), by_value=False))
 def test_clippings_without_values_never_draw_one_by_value(clipping):
     assert clipping.how != "value" and clipping.norm_type in (2.0, 1.0)
+
+
+def _case(**overrides):
+    fields = {
+        "mesh_shape": (1,),
+        "shapes": ((2,), (3,)),
+        "placements": None,
+        "dtype": "float64",
+        "seed": 0,
+        "optimizer": "SGD",
+        "lrs": (0.1, 0.05),
+        "schedules": (Schedule("ExponentialLR", (("gamma", 0.5),)),),
+        "steps": 2,
+    }
+    return ScheduleCase(**{**fields, **overrides})
+
+
+def test_a_schedule_case_refuses_what_its_optimizers_cannot_be_given():
+    with pytest.raises(ValueError, match="a parameter for each of the 3 groups"):
+        _case(lrs=(0.1, 0.05, 0.02))
+    plateau = Schedule("ReduceLROnPlateau")
+    with pytest.raises(ValueError, match="one per step for ReduceLROnPlateau"):
+        _case(schedules=(plateau,), metrics=(1.0,))
+    with pytest.raises(ValueError, match="tensor_lr=True must be False but for"):
+        _case(optimizer="RMSprop", tensor_lr=True)
+    cycling = Schedule("OneCycleLR", (("max_lr", 0.1), ("total_steps", 5)))
+    with pytest.raises(ValueError, match=r"optimizer='Adagrad' must be one of .* to cycle"):
+        _case(optimizer="Adagrad", schedules=(cycling,))
+    per_group = Schedule("LambdaLR", (("lr_lambda", ("inverse_step",)),))
+    with pytest.raises(ValueError, match="one value per group, 2"):
+        _case(schedules=(Schedule("SequentialLR", (("milestones", (1,)),), (per_group,) * 2),))
+
+
+class _OneDevice:
+    """The part of a RankContext ``schedules_on_rank`` reads for plain tensors."""
+
+    device = torch.device("cpu")
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=schedule_cases(1))
+def test_every_drawn_schedule_case_steps_as_the_spec_model_says(case):
+    case = replace(case, placements=None)
+    with warnings.catch_warnings():
+        # torch warns of a scheduler stepped before its optimizer, or of a misused step()
+        warnings.simplefilter("error")
+        traces = schedules_on_rank(_OneDevice(), case)
+    for schedule, trace in zip(case.schedules, traces, strict=True):
+        metrics = case.metrics if schedule.name == "ReduceLROnPlateau" else ()
+        want = trajectory(
+            schedule, case.lrs, case.steps, metrics=metrics, lr_lambdas=LAMBDA_FACTORS
+        )
+        # float32 tensor lrs round at every step; the suite holds float lrs to a few ulps
+        np.testing.assert_allclose(trace.lrs, want.lrs, rtol=1e-5, atol=1e-9)

@@ -4,12 +4,13 @@ after it, and the gradients clipped before it."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from harness.errors import check_one_of, require
+from harness.errors import check_int, check_one_of, require
 from specs.placements import Placement
 
 SCHEDULERS = (
@@ -17,12 +18,36 @@ SCHEDULERS = (
     *("CosineAnnealingLR", "LambdaLR", "SequentialLR", "OneCycleLR", "ReduceLROnPlateau"),
 )
 """The ``torch.optim.lr_scheduler`` schedulers a training run steps."""
-LR_LAMBDAS = ("inverse_step", "halve_after_two")
-"""The factors a ``LambdaLR`` is given, by name (``torchkit.schedules``): a case holds
-no callable, so it pickles to rank processes."""
+
+
+def _inverse_step(epoch: int) -> float:
+    return 1.0 / (epoch + 1)
+
+
+def _halve_after_two(epoch: int) -> float:
+    return 1.0 if epoch < 2 else 0.5
+
+
+LAMBDA_FACTORS: dict[str, Callable[[int], float]] = {
+    "inverse_step": _inverse_step,
+    "halve_after_two": _halve_after_two,
+}
+"""The functions a ``LambdaLR`` is given (its factor of the initial lr at each epoch), by
+name: a case holds the name, not the callable, so it pickles to rank processes."""
+LR_LAMBDAS = tuple(LAMBDA_FACTORS)
 MOMENTUM_CYCLED = ("SGD", "Adam", "AdamW", "RMSprop", "Adamax", "NAdam", "RAdam")
 """The optimizers with a ``momentum`` or ``betas`` that ``OneCycleLR(cycle_momentum=True)``
 cycles; it refuses the others."""
+SCHEDULED_OPTIMIZERS = (*MOMENTUM_CYCLED, "Adagrad")
+"""The optimizers a ``ScheduleCase`` steps: those, and one without a momentum."""
+TENSOR_LR = ("SGD", "Adam", "AdamW")
+"""The optimizers whose documentation says their lr may be a tensor."""
+PER_GROUP = {
+    "OneCycleLR": ("max_lr", "base_momentum", "max_momentum"),
+    "ReduceLROnPlateau": ("min_lr",),
+    "LambdaLR": ("lr_lambda",),
+}
+"""The options of a scheduler that may be given as one value per parameter group."""
 
 
 @dataclass(frozen=True)
@@ -136,4 +161,83 @@ class ClipCase:
         return (
             f"{self.clipping.describe()} of {self.dtype} gradients {list(self.shapes)} "
             f"(scale {self.scale}) as {layout}{poisoned if self.nonfinite else ''}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleCase:
+    """Seeded parameters of ``shapes`` (plain tensors on every rank, or DTensors laid out by
+    ``placements``, one tuple per parameter over ``mesh_shape``) in ``len(lrs)`` parameter
+    groups (parameter ``i`` in group ``i % len(lrs)``; group ``g``'s initial lr ``lrs[g]``, a
+    0-d tensor where ``tensor_lr``), and for each of ``schedules`` an ``optimizer`` over them
+    with that scheduler (several optimizers, each scheduled on its own, as a model's parts
+    are). ``steps`` times: every ``optimizer.step()``, then every scheduler's ``step()``
+    (``ReduceLROnPlateau``'s with ``metrics[t]``). The parameters have no gradients: each
+    ``optimizer.step()`` skips them and is there for the documented order, optimizer before
+    scheduler; what a step computes is ``optim.step.matches_spec``'s, and a DTensor step of
+    shapes the sharding propagation has not seen would triple an example's cost."""
+
+    mesh_shape: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    placements: tuple[tuple[Placement, ...], ...] | None
+    dtype: str
+    seed: int
+    optimizer: str
+    lrs: tuple[float, ...]
+    schedules: tuple[Schedule, ...]
+    steps: int
+    metrics: tuple[float, ...] = ()
+    tensor_lr: bool = False
+
+    def __post_init__(self) -> None:
+        check_one_of("dtype", self.dtype, ("float32", "float64"))
+        check_one_of("optimizer", self.optimizer, SCHEDULED_OPTIMIZERS)
+        check_int("steps", self.steps)
+        require(bool(self.schedules), "schedules", self.schedules, "at least one")
+        require(bool(self.lrs), "lrs", self.lrs, "one initial lr per group, at least one")
+        groups = len(self.lrs)
+        enough = len(self.shapes) >= groups
+        require(enough, "shapes", self.shapes, f"a parameter for each of the {groups} groups")
+        laid_out = self.placements is None or len(self.placements) == len(self.shapes)
+        require(laid_out, "placements", self.placements, "None or one per parameter")
+        plateau = any(s.name == "ReduceLROnPlateau" for s in self.schedules)
+        one_each = len(self.metrics) == (self.steps if plateau else 0)
+        require(one_each, "metrics", self.metrics, "one per step for ReduceLROnPlateau, else ()")
+        takes = not self.tensor_lr or self.optimizer in TENSOR_LR
+        require(takes, "tensor_lr", self.tensor_lr, f"False but for {TENSOR_LR}")
+        for schedule in self.schedules:
+            self._check(schedule, groups)
+
+    def _check(self, schedule: Schedule, groups: int) -> None:
+        one_cycle = schedule.name == "OneCycleLR"
+        cycles = one_cycle and dict(schedule.options).get("cycle_momentum", True)
+        has = not cycles or self.optimizer in MOMENTUM_CYCLED
+        require(has, "optimizer", self.optimizer, f"one of {MOMENTUM_CYCLED} to cycle")
+        for each in (schedule, *schedule.parts):
+            for name, value in each.options:
+                if isinstance(value, tuple) and name in PER_GROUP.get(each.name, ()):
+                    require(len(value) == groups, name, value, f"one value per group, {groups}")
+
+    def group_of(self, index: int) -> int:
+        """The parameter group of parameter ``index``."""
+        return index % len(self.lrs)
+
+    def params(self) -> list[np.ndarray]:
+        """The initial parameters, rounded to ``dtype`` and held in float64."""
+        rng = np.random.default_rng([self.seed, 0])
+        values = [rng.uniform(-1.0, 1.0, size=shape) for shape in self.shapes]
+        return [np.asarray(v, dtype=self.dtype).astype(np.float64) for v in values]
+
+    def call(self) -> str:
+        layout = (
+            "plain tensors"
+            if self.placements is None
+            else f"DTensors on mesh {self.mesh_shape} with placements {list(self.placements)}"
+        )
+        lrs = [f"tensor({lr})" if self.tensor_lr else lr for lr in self.lrs]
+        metrics = f", metrics {list(self.metrics)}" if self.metrics else ""
+        return (
+            f"{self.steps} step(s) of {[s.describe() for s in self.schedules]}{metrics}, each "
+            f"over an {self.optimizer} with group lrs {lrs} ({self.dtype} params "
+            f"{list(self.shapes)} as {layout}, param i in group i % {len(self.lrs)})"
         )

@@ -178,11 +178,17 @@ leaves some parameters without gradients and checks that step() leaves the gradi
 given. Since, at the dev profile the same run catches ``clip_foreach_coef_unclamped``; at
 the ci profile (world sizes 1 and 2) ``clip_nonfinite_check_misses_inf``
 (optim.clip.matches_spec) and ``reentrant_recompute_rng_not_restored``
-(optim.knobs.checkpointing_dropout) too. Still surviving: the two lr-scheduler faults (no
-spec model of the schedules yet), static_graph after warm-up (its property fails at the
-first iteration, a known deviation), selective checkpointing of a region with one matmul
-only, a checkpointed layer never called with keywords, and ``adamax_foreach_mutates_grads``
-and ``asgd_foreach_eta_from_first_step``, whose paths (Adamax foreach without weight decay;
+(optim.knobs.checkpointing_dropout) too. Both lr-scheduler faults,
+``sequentiallr_zero_milestone_first_scheduler`` and
+``lambdalr_base_lrs_collapsed_to_first_group``, are caught by optim.schedule.matches_spec
+(suite schedules: every lr of every parameter group, groups of distinct initial lrs,
+SequentialLR milestones from 0, held to specs/lr_schedules.py; ``mutate --suite schedules
+--profile dev --world-sizes 1,2`` caught both at seeds 1 to 6, within 4 to 10 examples;
+at the ci profile within 5 and 9).
+Still surviving: static_graph after warm-up (its property fails at the first iteration, a
+known deviation), selective checkpointing of a region with one matmul only, a checkpointed
+layer never called with keywords, and ``adamax_foreach_mutates_grads`` and
+``asgd_foreach_eta_from_first_step``, whose paths (Adamax foreach without weight decay;
 ASGD, which specs.optimizers does not model) the budget drew too rarely or not at all.
 ``nadam_single_tensor_mu_counted_twice`` is caught or not depending on the draws: the dev
 run caught it, the ci run at world sizes 1 and 2 did not.

@@ -64,7 +64,7 @@ from harness.strategies.programs import (
     inplace_on_partial_cases,
     program_cases,
 )
-from harness.strategies.schedules import clip_cases, clippings, schedules
+from harness.strategies.schedules import clip_cases, clippings, schedule_cases, schedules
 from harness.strategies.state_dict import (
     layout_meshes,
     mid_step_cases,
@@ -156,6 +156,7 @@ __all__ = [
     "resume_cases",
     "save_load_cases",
     "scan_negative_dim_cases",
+    "schedule_cases",
     "schedules",
     "seeds",
     "shapes",

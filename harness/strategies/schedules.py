@@ -17,9 +17,14 @@ from harness.cases.schedules import (
     LR_LAMBDAS,
     MOMENTUM_CYCLED,
     NONFINITE,
+    PER_GROUP,
+    SCHEDULED_OPTIMIZERS,
+    SCHEDULERS,
+    TENSOR_LR,
     ClipCase,
     Clipping,
     Schedule,
+    ScheduleCase,
 )
 from harness.cases.training import OPTIMIZERS
 from harness.errors import check_int, check_one_of, check_subset
@@ -58,22 +63,33 @@ def _schedule(name: str, **options: st.SearchStrategy[Any]) -> st.SearchStrategy
 
 def _simple() -> st.SearchStrategy[Schedule]:
     """The schedulers that take nothing but the optimizer and their own numbers."""
+    return st.one_of(*_simple_by_name().values())
+
+
+@cache
+def _simple_by_name() -> dict[str, st.SearchStrategy[Schedule]]:
     gamma = sampled((0.5, 0.9))
     milestones = st.lists(sampled((1, 2, 3)), min_size=1, max_size=3, unique=True)
-    return st.one_of(
-        _schedule("StepLR", step_size=sampled((1, 2)), gamma=gamma),
-        _schedule("MultiStepLR", milestones=milestones.map(sorted).map(tuple), gamma=gamma),
-        _schedule("ConstantLR", factor=sampled((0.5, 0.25)), total_iters=sampled((1, 3))),
-        _schedule(
+    return {
+        "StepLR": _schedule("StepLR", step_size=sampled((1, 2)), gamma=gamma),
+        "MultiStepLR": _schedule(
+            "MultiStepLR", milestones=milestones.map(sorted).map(tuple), gamma=gamma
+        ),
+        "ConstantLR": _schedule(
+            "ConstantLR", factor=sampled((0.5, 0.25)), total_iters=sampled((1, 3))
+        ),
+        "LinearLR": _schedule(
             "LinearLR",
             start_factor=sampled((0.25, 1.0)),
             end_factor=sampled((1.0, 0.5)),
             total_iters=sampled((2, 4)),
         ),
-        _schedule("ExponentialLR", gamma=gamma),
-        _schedule("CosineAnnealingLR", T_max=sampled((2, 5)), eta_min=sampled((0.0, 0.001))),
-        _schedule("LambdaLR", lr_lambda=sampled(LR_LAMBDAS)),
-    )
+        "ExponentialLR": _schedule("ExponentialLR", gamma=gamma),
+        "CosineAnnealingLR": _schedule(
+            "CosineAnnealingLR", T_max=sampled((2, 5)), eta_min=sampled((0.0, 0.001))
+        ),
+        "LambdaLR": _schedule("LambdaLR", lr_lambda=sampled(LR_LAMBDAS)),
+    }
 
 
 def _sequential(parts: list[Schedule], milestone: int) -> Schedule:
@@ -202,3 +218,103 @@ def _has_empty_piece(
         for shape, layout in zip(drawn, laid_out, strict=True)
         for piece in local_arrays(np.zeros(shape), mesh, layout).values()
     )
+
+
+SCHEDULE_LRS = (0.1, 0.05, 0.02, 0.01)
+"""The groups' initial lrs a schedule case draws (distinct within a case)."""
+PLATEAU_METRICS = (1.0, 0.99995, 0.95, 0.5, 1.2)
+"""The metrics ``ReduceLROnPlateau`` is stepped with: the same again, better or worse by
+less than a relative threshold of 1e-4, by less than an absolute one of 0.1, or by more."""
+_GROUP_VALUES: dict[str, tuple[Any, ...]] = {
+    "max_lr": (0.1, 0.05, 0.2),
+    "base_momentum": (0.85, 0.8),
+    "max_momentum": (0.95, 0.9),
+    "min_lr": (0.0, 0.01, 0.001),
+    "lr_lambda": LR_LAMBDAS,
+}
+
+
+@takes_world_size
+@st.composite
+def schedule_cases(draw: st.DrawFn, world_size: int) -> ScheduleCase:
+    """2-3 parameter groups of distinct initial lrs (float lrs, or 0-d tensors for the
+    optimizers documented to take one) over 1-4 parameters of shapes near the mesh's axis
+    sizes, plain or DTensors laid out by Shard/Replicate placements; 1-4 optimizers of one
+    kind over them, each with a scheduler of ``cases.schedules.SCHEDULERS`` (``OneCycleLR``
+    cycling the momentum only where the optimizer has one), stepped 1-8 times. Per-group
+    options (``PER_GROUP``) are sometimes one value per group. A third of the schedulers are
+    ``SequentialLR``s of 2-3 simple schedulers, milestones anywhere from 0 (its first
+    scheduler never runs, an edge torch got wrong: pytorch/pytorch#185872) to past the last
+    step, twice the same sometimes. ``ReduceLROnPlateau`` gets a metric a step
+    (``PLATEAU_METRICS``)."""
+    mesh = draw(mesh_shapes(world_size))
+    # one group is the same arithmetic on one row, which the parity properties step often
+    groups = draw(st.integers(2, 3))
+    lrs = draw(st.lists(sampled(SCHEDULE_LRS), min_size=groups, max_size=groups, unique=True))
+    count = draw(st.integers(groups, 4))
+    drawn = tuple(draw(shapes(max_ndim=2, near=max(mesh))) for _ in range(count))
+    laid_out = None
+    if draw(st.booleans()):
+        laid_out = tuple(draw(placements(len(mesh), len(s), reduce_ops=())) for s in drawn)
+    optimizer = draw(sampled(SCHEDULED_OPTIMIZERS))
+    steps = draw(st.integers(1, 8))
+    each = _case_schedules(optimizer in MOMENTUM_CYCLED, steps, groups)
+    scheduled = tuple(draw(st.lists(each, min_size=1, max_size=4)))
+    metrics: tuple[float, ...] = ()
+    if any(schedule.name == "ReduceLROnPlateau" for schedule in scheduled):
+        metrics = tuple(draw(st.lists(sampled(PLATEAU_METRICS), min_size=steps, max_size=steps)))
+    return ScheduleCase(
+        mesh_shape=mesh,
+        shapes=drawn,
+        placements=laid_out,
+        dtype=draw(sampled(("float64", "float32"))),
+        seed=draw(seeds()),
+        optimizer=optimizer,
+        lrs=tuple(lrs),
+        schedules=scheduled,
+        steps=steps,
+        metrics=metrics,
+        tensor_lr=optimizer in TENSOR_LR and draw(st.booleans()),
+    )
+
+
+@st.composite
+def _case_schedules(draw: st.DrawFn, has_momentum: bool, steps: int, groups: int) -> Schedule:
+    """A ``SequentialLR`` a third of the time (it runs the simple schedulers in turn, each
+    from its own step 0, so it exercises them too), else any other scheduler, each alike:
+    drawn by name, since ``st.one_of`` favours some of its branches."""
+    if draw(sampled((False, True, False))):
+        return draw(_sequentials(steps, groups))
+    name = draw(sampled(tuple(name for name in SCHEDULERS if name != "SequentialLR")))
+    return draw(_by_name(has_momentum, steps, groups)[name])
+
+
+@cache
+def _by_name(has_momentum: bool, steps: int, groups: int) -> dict[str, st.SearchStrategy[Schedule]]:
+    return {
+        **{name: _per_group(simple, groups) for name, simple in _simple_by_name().items()},
+        "OneCycleLR": _per_group(_one_cycle(has_momentum, steps), groups),
+        "ReduceLROnPlateau": _per_group(_plateau(), groups),
+    }
+
+
+@st.composite
+def _per_group(draw: st.DrawFn, schedules: st.SearchStrategy[Schedule], groups: int) -> Schedule:
+    """A schedule of ``schedules`` whose per-group options are sometimes one value a group."""
+    schedule = draw(schedules)
+    options = dict(schedule.options)
+    for name in PER_GROUP.get(schedule.name, ()):
+        if groups > 1 and draw(st.booleans()):
+            options[name] = tuple(draw(sampled(_GROUP_VALUES[name])) for _ in range(groups))
+    return dataclasses.replace(schedule, options=tuple(sorted(options.items())))
+
+
+@st.composite
+def _sequentials(draw: st.DrawFn, steps: int, groups: int) -> Schedule:
+    """2-3 simple schedulers (each alike, by name), milestones from 0 to past the last step."""
+    simple = _by_name(False, steps, groups)
+    names = tuple(_simple_by_name())
+    parts = [draw(simple[draw(sampled(names))]) for _ in range(draw(st.integers(2, 3)))]
+    milestone = st.just(0) | st.integers(0, steps + 1)
+    milestones = sorted(draw(milestone) for _ in range(len(parts) - 1))
+    return Schedule("SequentialLR", (("milestones", tuple(milestones)),), tuple(parts))

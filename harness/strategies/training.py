@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from harness.cases.comm_hooks import LOSSLESS
 from harness.cases.knobs import Knobs
+from harness.cases.schedules import TENSOR_LR
 from harness.cases.training import (
     CORE_OPTIMIZERS,
     FSDP_LAYOUTS,
@@ -124,9 +125,6 @@ def _drawn(draw: st.DrawFn, /, **choices: Sequence[Any]) -> _Options:
 
 _CAPTURABLE = ("Adam", "AdamW", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta", "ASGD", "Rprop")
 """The optimizers with a ``capturable`` option."""
-_TENSOR_LR = ("SGD", "Adam", "AdamW")
-"""The optimizers whose tensor learning rate the properties draw (the others' docs do not
-say they take one)."""
 _DECAYS = (0.0, 0.01)
 _BOTH = (False, True)
 # Values near each option's default and one that changes the arithmetic visibly within a
@@ -225,7 +223,7 @@ def _optim_configs(
         takes = name in _CAPTURABLE and (impl == "fused" or accelerator)
         capturable = takes and draw(st.booleans())
         options = (*options, ("capturable", True)) if capturable else options
-        tensor_lr = name in _TENSOR_LR and (impl != "foreach" or capturable)
+        tensor_lr = name in TENSOR_LR and (impl != "foreach" or capturable)
         tensor_lr = tensor_lr and draw(st.booleans())
     return OptimConfig(name, impl, lr, options, second, scheduler, tensor_lr=tensor_lr)
 

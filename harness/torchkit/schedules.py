@@ -3,31 +3,17 @@ torch builds and applies them: the same calls on one device and on every rank.""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from harness.cases.schedules import Clipping, Schedule
+from harness.cases.schedules import LAMBDA_FACTORS, Clipping, Schedule
 from harness.cases.training import OptimConfig
 
 _NO_IMPROVEMENT = 1.0
-"""The metric ``ReduceLROnPlateau`` is stepped with: the same every step, so none after the
-first improves on it."""
-
-
-def _inverse_step(step: int) -> float:
-    return 1.0 / (step + 1)
-
-
-def _halve_after_two(step: int) -> float:
-    return 1.0 if step < 2 else 0.5
-
-
-LR_LAMBDAS: dict[str, Callable[[int], float]] = {
-    "inverse_step": _inverse_step,
-    "halve_after_two": _halve_after_two,
-}
+"""The metric ``ReduceLROnPlateau`` is stepped with where the caller gives none: the same
+every step, so none after the first improves on it."""
 
 
 class Scheduled:
@@ -37,9 +23,9 @@ class Scheduled:
     def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
 
-    def step(self) -> None:
+    def step(self, metric: float = _NO_IMPROVEMENT) -> None:
         if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            self.scheduler.step(_NO_IMPROVEMENT)
+            self.scheduler.step(metric)
         else:
             self.scheduler.step()
 
@@ -48,14 +34,24 @@ def build_scheduler(config: OptimConfig, optimizer: torch.optim.Optimizer) -> Sc
     """The scheduler of ``config.scheduler`` over ``optimizer``, or None."""
     if config.scheduler is None:
         return None
-    return Scheduled(_build(config.scheduler, optimizer))
+    return build_schedule(config.scheduler, optimizer)
+
+
+def build_schedule(schedule: Schedule, optimizer: torch.optim.Optimizer) -> Scheduled:
+    """``schedule`` built over ``optimizer`` (its ``lr_lambda`` names made the functions of
+    ``cases.schedules.LAMBDA_FACTORS``, one or one per group)."""
+    return Scheduled(_build(schedule, optimizer))
 
 
 def _build(schedule: Schedule, optimizer: torch.optim.Optimizer) -> Any:
     cls = getattr(torch.optim.lr_scheduler, schedule.name)
     options = dict(schedule.options)
     if "lr_lambda" in options:
-        options["lr_lambda"] = LR_LAMBDAS[options["lr_lambda"]]
+        named = options["lr_lambda"]
+        per_group = isinstance(named, tuple)
+        options["lr_lambda"] = (
+            [LAMBDA_FACTORS[name] for name in named] if per_group else LAMBDA_FACTORS[named]
+        )
     if schedule.parts:
         options["schedulers"] = [_build(part, optimizer) for part in schedule.parts]
     return cls(optimizer, **options)

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from harness import RankContext
-from harness.cases.schedules import ClipCase
+from harness.cases.schedules import ClipCase, ScheduleCase
 from harness.cases.training import ParityCase, StepCase
 from harness.parity import assert_close, assert_equal_values
 from harness.torchkit.dtensor import full_array, tensor_from, to_numpy, to_torch_placements
@@ -26,7 +26,7 @@ from harness.torchkit.optim import (
     Trained,
     build_optimizer,
 )
-from harness.torchkit.schedules import clip_gradients
+from harness.torchkit.schedules import build_schedule, clip_gradients
 from harness.torchkit.training import (
     data_parallel_ranks,
     optimizer_for,
@@ -164,7 +164,7 @@ def ddp_forward_buffers_on_rank(ctx: RankContext, case: ParityCase) -> list[np.n
 
 
 def _laid_out(
-    ctx: RankContext, case: StepCase | ClipCase, index: int, array: np.ndarray
+    ctx: RankContext, case: StepCase | ClipCase | ScheduleCase, index: int, array: np.ndarray
 ) -> torch.Tensor:
     tensor = tensor_from(array, case.dtype, ctx.device)
     if case.placements is None:
@@ -285,3 +285,68 @@ def clip_on_rank(ctx: RankContext, case: ClipCase) -> Clipped:
         return Clipped([], None, f"{type(error).__name__}: {error}")
     whole = None if total is None else full_array(total)
     return Clipped([full_array(p.grad) for p in params if p.grad is not None], whole)
+
+
+@dataclass(frozen=True)
+class LrTrace:
+    """One scheduled optimizer on one rank: each group's momentum (``momentum``, or
+    ``betas[0]``; None where the optimizer has neither) before its scheduler was built, and
+    each group's lr and momentum once it was (``lrs[0]``) and after each step."""
+
+    unscheduled: tuple[float | None, ...]
+    lrs: list[tuple[float, ...]]
+    momenta: list[tuple[float | None, ...]]
+
+
+def schedules_on_rank(ctx: RankContext, case: ScheduleCase) -> list[LrTrace]:
+    """An optimizer and its scheduler for each of ``case.schedules``, over the same
+    parameters (without gradients), stepped ``case.steps`` times."""
+    params = [torch.nn.Parameter(_laid_out(ctx, case, i, a)) for i, a in enumerate(case.params())]
+    optimizers, schedulers, traces = [], [], []
+    for schedule in case.schedules:
+        optimizer = _grouped_optimizer(case, params)
+        unscheduled = _momenta(optimizer)
+        schedulers.append(build_schedule(schedule, optimizer))
+        optimizers.append(optimizer)
+        traces.append(LrTrace(unscheduled, [_lrs(optimizer)], [_momenta(optimizer)]))
+    for step in range(case.steps):
+        for optimizer in optimizers:
+            optimizer.step()
+        for optimizer, scheduler, trace in zip(optimizers, schedulers, traces, strict=True):
+            if case.metrics:
+                scheduler.step(case.metrics[step])
+            else:
+                scheduler.step()
+            trace.lrs.append(_lrs(optimizer))
+            trace.momenta.append(_momenta(optimizer))
+    return traces
+
+
+def _grouped_optimizer(
+    case: ScheduleCase, params: list[torch.nn.Parameter]
+) -> torch.optim.Optimizer:
+    groups = [
+        {
+            "params": [p for i, p in enumerate(params) if case.group_of(i) == group],
+            "lr": torch.tensor(lr) if case.tensor_lr else lr,
+        }
+        for group, lr in enumerate(case.lrs)
+    ]
+    # torch refuses a tensor lr to foreach kernels that are not capturable (the default on
+    # an accelerator); the single-tensor ones take it on every device
+    options = {"foreach": False} if case.tensor_lr else {}
+    optimizer: torch.optim.Optimizer = getattr(torch.optim, case.optimizer)(groups, **options)
+    return optimizer
+
+
+def _lrs(optimizer: torch.optim.Optimizer) -> tuple[float, ...]:
+    return tuple(float(group["lr"]) for group in optimizer.param_groups)
+
+
+def _momenta(optimizer: torch.optim.Optimizer) -> tuple[float | None, ...]:
+    return tuple(
+        float(group["betas"][0])
+        if "betas" in group
+        else (float(group["momentum"]) if "momentum" in group else None)
+        for group in optimizer.param_groups
+    )
