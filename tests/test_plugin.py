@@ -331,8 +331,32 @@ def test_zz_interrupt(world):
 
 
 def test_plugin_is_inert_outside_the_suites(pytester):
-    pytester.makepyfile("def test_plain():\n    assert True\n")
-    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1)
+    pytester.makepyfile(
+        "import gc\n\ndef test_plain():\n    assert gc.get_threshold() == (700, 10, 10)\n"
+    )
+    pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
+
+
+def test_suite_tests_run_with_the_collector_spaced_out_and_what_collection_loaded_frozen(
+    project,
+):
+    from harness.plugin.garbage import THRESHOLDS
+
+    _suite(project, f"""
+        import gc
+        import pytest
+
+        @pytest.mark.spec("demo.sum")
+        def test_sum(world):
+            assert gc.get_threshold() == {THRESHOLDS!r}
+            assert gc.get_freeze_count() > 10_000  # torch, the plugin, this module
+
+        @pytest.mark.spec("demo.rank")
+        def test_rank(world):
+            assert gc.isenabled()  # cyclic garbage is still collected
+    """)  # fmt: skip
+    run = project.runpytest_subprocess("-p", "no:cacheprovider", "--world-sizes=2")
+    run.assert_outcomes(passed=2)
 
 
 def test_a_projects_own_world_fixture_is_left_alone(pytester):

@@ -21,8 +21,9 @@ from harness.config import RunConfig
 from harness.outcome import fatal
 from harness.outcome.results import ResultsWriter
 from harness.plugin import collection, deviations, gpus, options, recording, scheduling, state
+from harness.plugin.garbage import CollectorTuning
 from harness.plugin.torch_noise import WarningCounter
-from harness.plugin.worlds import SessionWorlds
+from harness.plugin.worlds import SessionWorlds, world_key
 from harness.torchkit import reach, surface
 
 NAME = "distconf-session"
@@ -41,6 +42,7 @@ class DistconfSession:
         self.interrupted: str | None = None
         self.noise = WarningCounter()
         self._sigterm: forked.SignalHandler = None
+        self.collector = CollectorTuning()
 
     def pytest_configure(self, config: pytest.Config) -> None:
         """SIGTERM interrupts the session as Ctrl-C does, in every pytest process of a run
@@ -50,8 +52,15 @@ class DistconfSession:
         surface.install_from_environment()
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
+        self.collector.stop()
         if self._sigterm is not None:
             signal.signal(signal.SIGTERM, self._sigterm)
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        """A session that runs suite tests (on Worlds) spaces the collector out
+        (``garbage``); any other pytest session is left as it is."""
+        if any(world_key(item) is not None for item in session.items):
+            self.collector.start()
 
     @property
     def _runs_tests(self) -> bool:
