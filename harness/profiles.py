@@ -56,11 +56,13 @@ def property_settings() -> settings:
     return settings(deadline=None)
 
 
-def costly(cost: int) -> settings:
+def costly(cost: int, *, whole_at: int = 2) -> settings:
     """Settings for a property whose examples cost about ``cost`` times a placement
     example's: the loaded profile's example budget buys ``1/cost`` of the examples (at least
-    2) at the reference world size, and a share of those at the others
-    (``examples_at``), so a profile bounds the time of a run rather than its example count.
+    2) at world size ``whole_at``, and a share of those at the others (``examples_at``), so
+    a profile bounds the time of a run rather than its example count. ``whole_at`` is 2
+    (where ``mutate`` catches most of the catalogue's faults first, world size 1 rarely
+    showing a distributed fault) unless a runner serves the property at one world size only.
     No per-example deadline: World.run enforces its own (the first example of a World builds
     it).
 
@@ -71,30 +73,28 @@ def costly(cost: int) -> settings:
     no fault, or one within 3 examples, takes half (``costly(2)``). The suite states the
     measured time an example next to its ``costly``."""
     check_int("cost", cost)
+    check_int("whole_at", whole_at)
     budget = settings.default.max_examples if settings.default else 100
     made = settings(deadline=None, max_examples=max(2, budget // cost))
-    _COSTLY.append(made)
+    _COSTLY.append((made, whole_at))
     return made
 
 
-_COSTLY: list[settings] = []
-"""Every settings object ``costly`` made: the properties whose examples a World's size
-divides (``examples_at``)."""
-
-REFERENCE_WORLD_SIZE = 2
-"""The world size where a costly property runs its whole budget. ``mutate`` catches most of
-the catalogue's faults there first (world size 1 rarely shows a distributed fault)."""
+_COSTLY: list[tuple[settings, int]] = []
+"""Every settings object ``costly`` made, with its ``whole_at``: the properties whose
+examples a World's size divides (``examples_at``)."""
 
 
-def is_costly(made: settings) -> bool:
-    """Whether ``made`` came from ``costly``."""
-    return any(made is costly_settings for costly_settings in _COSTLY)
+def whole_at(made: settings) -> int | None:
+    """The world size where a property with settings ``made`` runs its whole budget; None:
+    ``made`` did not come from ``costly``."""
+    return next((size for costly_made, size in _COSTLY if costly_made is made), None)
 
 
-def examples_at(world_size: int, max_examples: int) -> int:
-    """A costly property's examples at ``world_size``, of its ``max_examples`` at the
-    reference world size: all of them there, a quarter at world size 1, half at 3 and
-    beyond; never fewer than 2 (nor more than the budget).
+def examples_at(world_size: int, max_examples: int, whole_at: int = 2) -> int:
+    """A costly property's examples at ``world_size``, of its ``max_examples`` at world size
+    ``whole_at``: all of them there, a quarter at world size 1, half at 2 and beyond; never
+    fewer than 2 (nor more than the budget).
 
     Why: rank threads share one interpreter, so an example at world size n costs about n
     times a rank's work (at the ci profile, 216 s of test time at world size 1, 395 at 2,
@@ -102,10 +102,12 @@ def examples_at(world_size: int, max_examples: int) -> int:
     rank's degenerate mesh (the catalogue's faults that show there show at 2 as well), the
     uneven pieces of 3, the 2-D meshes from 4. ``mutate`` at the same profile measures what
     the shares still catch: a quarter at 4 lost a fault only a 2-D mesh shows, which
-    optim.fsdp.mixed_precision met at its sixth example there."""
+    optim.fsdp.mixed_precision met at its sixth example there; a quarter at 1 lost one that
+    optim.knobs.checkpointing_dropout, which rank threads serve at world size 1 only, met at
+    its third."""
     check_int("world_size", world_size)
     check_int("max_examples", max_examples)
-    divisor = 1 if world_size == REFERENCE_WORLD_SIZE else 4 if world_size == 1 else 2
+    divisor = 1 if world_size == whole_at else 4 if world_size == 1 else 2
     return min(max_examples, max(2, max_examples // divisor))
 
 

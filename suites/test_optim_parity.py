@@ -262,7 +262,7 @@ def test_composable_selective_checkpoint_of_tp_layers(world: World, data: st.Dat
 
 
 @pytest.mark.spec("optim.knobs.checkpointing_dropout")
-@KNOBS
+@costly(5, whole_at=1)  # KNOBS' cost, whole where rank threads serve it
 @given(data=st.data())
 def test_checkpointing_replays_dropout(world: World, data: st.DataObject) -> None:
     if world.runner == "threads" and world.world_size > 1:

@@ -154,13 +154,15 @@ def test_costly_properties_buy_a_share_of_the_profiles_examples():
 
 
 def test_a_costly_property_runs_its_budget_at_world_size_2_and_a_share_elsewhere():
-    from harness.profiles import costly, examples_at, is_costly
+    from harness.profiles import costly, examples_at, whole_at
 
     assert [examples_at(size, 100) for size in (1, 2, 3, 4, 8, 64)] == [25, 100, 50, 50, 50, 50]
     assert [examples_at(size, 8) for size in (1, 2, 3, 4)] == [2, 8, 4, 4]
     assert [examples_at(size, 2) for size in (1, 2, 3, 4)] == [2, 2, 2, 2]
     assert [examples_at(size, 1) for size in (1, 2, 4)] == [1, 1, 1]  # never above the budget
-    assert is_costly(costly(3)) and not is_costly(settings(max_examples=3))
+    assert [examples_at(size, 8, whole_at=1) for size in (1, 2, 3)] == [8, 4, 4]
+    assert whole_at(costly(3)) == 2 and whole_at(costly(3, whole_at=1)) == 1
+    assert whole_at(settings(max_examples=3)) is None
     with pytest.raises(ValueError, match=r"world_size=0 must be a positive int"):
         examples_at(0, 10)
 

@@ -146,8 +146,11 @@ def _item_settings(item: pytest.Item, test: state.TestState) -> Iterator[None]:
         return
     changes: dict[str, Any] = {}
     key = world_key(item)
-    if key is not None and profiles.is_costly(current):
-        changes["max_examples"] = profiles.examples_at(key.world_size, current.max_examples)
+    whole_at = profiles.whole_at(current)
+    if key is not None and whole_at is not None:
+        changes["max_examples"] = profiles.examples_at(
+            key.world_size, current.max_examples, whole_at
+        )
     if test.expectation is not None and test.expectation["status"] in ("xfail", "flaky"):
         changes["phases"] = tuple(phase for phase in current.phases if phase is not Phase.shrink)
     if not changes:
