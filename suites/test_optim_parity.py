@@ -140,7 +140,8 @@ def _check_optimizer(world: World, data: st.DataObject, name: str, impls: tuple[
 
 # A knob property draws its layout too: an example costs 0.1-1.4 s at world size 4
 # (fsdp to hsdp_tp), about five placement examples on average.
-KNOBS = costly(5)
+KNOBS_COST = 5
+KNOBS = costly(KNOBS_COST)
 
 
 def _fsdp_layouts(world: World) -> tuple[str, ...]:
@@ -169,9 +170,9 @@ def _check_knob(world: World, data: st.DataObject, focus: str) -> None:
 
 
 @pytest.mark.spec("optim.fsdp.mixed_precision")
-# KNOBS' cost less one: mutate met fsdp.post_forward_rank_div_not_mod, which only a 2-D mesh
-# shows, at the sixth example at world size 4, and the share there (half) is then 12
-@costly(4)
+# mutate met fsdp.post_forward_rank_div_not_mod, which only a 2-D mesh shows, at the sixth
+# example at world size 4, and the share there (half) is then 12
+@costly(KNOBS_COST - 1)
 @given(data=st.data())
 def test_mixed_precision_matches_its_one_device_emulation(
     world: World, data: st.DataObject
@@ -262,7 +263,7 @@ def test_composable_selective_checkpoint_of_tp_layers(world: World, data: st.Dat
 
 
 @pytest.mark.spec("optim.knobs.checkpointing_dropout")
-@costly(5, whole_at=1)  # KNOBS' cost, whole where rank threads serve it
+@costly(KNOBS_COST, whole_at=1)  # the whole budget where rank threads serve it
 @given(data=st.data())
 def test_checkpointing_replays_dropout(world: World, data: st.DataObject) -> None:
     if world.runner == "threads" and world.world_size > 1:
