@@ -232,8 +232,10 @@ def _one_cycle(options: Mapping[str, Any], groups: int, steps: int) -> Trajector
     ends = [pct_start * total - 1, total - 1.0]
     if options["three_phase"]:
         ends = [pct_start * total - 1, 2 * pct_start * total - 2, total - 1.0]
+    anneal = _anneal(options["anneal_strategy"])
     lr_rows, momentum_rows = [], []
     for t in range(steps + 1):
+        phase, pct = _phase_at(ends, t)
         lr_row, momentum_row = [], []
         for group in range(groups):
             top = _per_group(options["max_lr"], group)
@@ -246,8 +248,6 @@ def _one_cycle(options: Mapping[str, Any], groups: int, steps: int) -> Trajector
                 momentum_points = [high_m, low_m, high_m, high_m]
             else:
                 lr_points, momentum_points = [initial, top, lowest], [high_m, low_m, high_m]
-            phase, pct = _phase_at(ends, t)
-            anneal = _anneal(options["anneal_strategy"])
             lr_row.append(anneal(lr_points[phase], lr_points[phase + 1], pct))
             momentum_row.append(anneal(momentum_points[phase], momentum_points[phase + 1], pct))
         lr_rows.append(tuple(lr_row))
