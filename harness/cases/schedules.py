@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from harness.cases import seeded_arrays
 from harness.errors import check_int, check_one_of, require
 from specs.placements import Placement
 
@@ -224,9 +225,7 @@ class ScheduleCase:
 
     def params(self) -> list[np.ndarray]:
         """The initial parameters, rounded to ``dtype`` and held in float64."""
-        rng = np.random.default_rng([self.seed, 0])
-        values = [rng.uniform(-1.0, 1.0, size=shape) for shape in self.shapes]
-        return [np.asarray(v, dtype=self.dtype).astype(np.float64) for v in values]
+        return seeded_arrays((self.seed, 0), self.shapes, self.dtype)
 
     def call(self) -> str:
         layout = (

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from harness.cases import seeded_arrays
 from harness.cases.comm_hooks import CommHook
 from harness.cases.knobs import NO_KNOBS, Knobs, Precision
 from harness.cases.schedules import Clipping, Schedule
@@ -267,25 +268,19 @@ class StepCase:
 
     def weights(self) -> list[np.ndarray]:
         """The weights of the loss a differentiable run back-propagates."""
-        rng = np.random.default_rng([self.seed, 0, 1])
-        return [self._rounded(rng.uniform(-1.0, 1.0, size=shape)) for shape in self.shapes]
+        return seeded_arrays((self.seed, 0, 1), self.shapes, self.dtype)
 
     def params(self) -> list[np.ndarray]:
         """The initial parameters, rounded to ``dtype`` and held in float64."""
-        rng = np.random.default_rng([self.seed, 0])
-        return [self._rounded(rng.uniform(-1.0, 1.0, size=shape)) for shape in self.shapes]
+        return seeded_arrays((self.seed, 0), self.shapes, self.dtype)
 
     def grads(self, step: int) -> list[np.ndarray]:
         """The gradients of ``step``, rounded to ``dtype`` and held in float64."""
-        rng = np.random.default_rng([self.seed, step + 1])
-        return [self._rounded(rng.uniform(-1.0, 1.0, size=shape)) for shape in self.shapes]
+        return seeded_arrays((self.seed, step + 1), self.shapes, self.dtype)
 
     def given_grads(self, step: int) -> list[np.ndarray | None]:
         """``grads(step)``, None for the parameters ``idle`` at ``step``."""
         return [None if (step, i) in self.idle else g for i, g in enumerate(self.grads(step))]
-
-    def _rounded(self, array: np.ndarray) -> np.ndarray:
-        return np.asarray(array, dtype=self.dtype).astype(np.float64)
 
     def call(self) -> str:
         layout = (
