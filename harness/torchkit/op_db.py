@@ -13,6 +13,7 @@ import threading
 from collections.abc import Iterator
 from functools import cache
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -95,8 +96,14 @@ def forget_samples() -> None:
 
 
 def _made(key: str, dtype: str) -> tuple[Any, ...]:
+    from torch.testing._internal.opinfo import core
+
     op = op_info(key)
-    with torch.random.fork_rng(devices=[]):
+    # sample_inputs looks for the unittest method calling it, to apply its per-sample skips,
+    # by reading the source of every frame on the stack: a tenth of the ops suite's time
+    # under pytest and Hypothesis, and never found, since no suite is a unittest.TestCase.
+    no_test_method = mock.patch.object(core, "extract_test_fn", return_value=None)
+    with no_test_method, torch.random.fork_rng(devices=[]):
         torch.manual_seed(_SAMPLE_SEED)
         return tuple(
             op.sample_inputs(
