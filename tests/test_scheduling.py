@@ -1,4 +1,5 @@
-"""``--distconf-schedule=worlds``: each World's tests on one worker, largest World first."""
+"""``--distconf-schedule=worlds``: each World's tests in shares of about equal cost, largest
+World first."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from harness import session
 from harness.config import RunConfig
-from harness.plugin.scheduling import world_of
+from harness.plugin.scheduling import UNITS_PER_WORKER, world_of, world_shares
 
 
 @pytest.mark.parametrize(
@@ -27,6 +28,24 @@ def test_world_of_reads_the_world_parameter(nodeid: str, expected: object) -> No
     assert world_of(nodeid) == expected
 
 
+def _tests(counts: dict[int, int]) -> list[str]:
+    return [
+        f"suites/test_a.py::test_{n}[threads-ws{size}-cpu]"
+        for size, count in counts.items()
+        for n in range(count)
+    ]
+
+
+def test_a_worlds_shares_follow_its_size_times_its_tests() -> None:
+    shares = world_shares([*_tests({1: 10, 2: 10, 3: 10, 4: 10}), "tests/test_b.py::t"], 2)
+    assert shares == {f"threads-ws{n}-cpu": s for n, s in ((1, 1), (2, 2), (3, 2), (4, 3))}
+
+
+def test_every_world_gets_a_share_however_small() -> None:
+    shares = world_shares(_tests({1: 1, 4: 500}), 2)
+    assert shares == {"threads-ws1-cpu": 1, "threads-ws4-cpu": 2 * UNITS_PER_WORKER}
+
+
 def _worlds_per_worker(out: Path) -> dict[str, set[str]]:
     worlds: dict[str, set[str]] = defaultdict(set)
     for path in out.glob("results.gw*.jsonl"):
@@ -38,7 +57,7 @@ def _worlds_per_worker(out: Path) -> dict[str, set[str]]:
     return worlds
 
 
-def test_each_world_runs_on_one_worker(tmp_path: Path) -> None:
+def test_a_world_of_one_share_runs_on_one_worker(tmp_path: Path) -> None:
     config = RunConfig(
         suites=("uneven",),
         world_sizes=(1, 2, 3, 4),
@@ -51,8 +70,8 @@ def test_each_world_runs_on_one_worker(tmp_path: Path) -> None:
     assert session.run(config) == 0
     worlds = _worlds_per_worker(tmp_path)
     assert sorted(worlds) == [f"threads-ws{n}-cpu" for n in (1, 2, 3, 4)]
-    split = {world: files for world, files in worlds.items() if len(files) != 1}
-    assert not split, f"got Worlds served by several workers {split}, should be one each"
+    split = {world: files for world, files in worlds.items() if len(files) > 1}
+    assert "threads-ws1-cpu" not in split, f"got the one-rank World split {split}"
 
 
 def test_a_run_of_one_process_keeps_the_world_size_order_it_was_given(tmp_path: Path) -> None:

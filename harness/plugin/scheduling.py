@@ -1,8 +1,8 @@
 """``--distconf-schedule=worlds``: how xdist hands a run's tests to its workers.
 
 A World is cheap to use and dear to start (seconds of process-group set-up on the process
-runner), and the cost of a test grows with its world size. So each World's tests go to one
-worker as one unit of work, split into as many units as it takes to keep every worker busy,
+runner), and the cost of a test grows with its world size. So each World's tests go to a
+worker as units of work, a World split into shares of about equal cost (``world_shares``),
 and the units go out largest World first: the long units start while there is still room
 to fill the gaps with the short ones. ``harness run`` asks for it whenever it starts more
 than one worker.
@@ -10,9 +10,10 @@ than one worker.
 
 from __future__ import annotations
 
-import math
 import re
 import zlib
+from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
@@ -27,6 +28,23 @@ def world_of(nodeid: str) -> tuple[str, int] | None:
     """The World part of a node ID and its size, or None for a test without a World."""
     match = _WORLD_PARAMETER.search(nodeid)
     return (match["world"], int(match["size"])) if match else None
+
+
+UNITS_PER_WORKER = 4
+"""About how many units of work each worker gets: enough that the last unit to finish is a
+small part of a worker's time, few enough that a World starts on few workers."""
+
+
+def world_shares(nodeids: Iterable[str], workers: int) -> dict[str, int]:
+    """How many units each World's tests are split into: in proportion to the World's cost,
+    its size times its number of tests (rank threads take turns on one interpreter, so a
+    test costs about its world size), at least one each, ``UNITS_PER_WORKER`` a worker in
+    all. At the ci profile, one unit per World left one of two workers idle for a fifth
+    of the run."""
+    tests = Counter(world for world in map(world_of, nodeids) if world is not None)
+    cost = {world: size * count for (world, size), count in tests.items()}
+    unit = sum(cost.values()) / max(1, UNITS_PER_WORKER * workers)
+    return {world: max(1, round(c / unit)) for world, c in cost.items()}
 
 
 def largest_worlds_first(items: list[pytest.Item]) -> None:
@@ -61,17 +79,16 @@ def make_scheduler(config: pytest.Config, log: Any) -> Any:
             super().__init__(config, log)
             # The units go out in collection order (largest World first), not by test count.
             config.option.loadscopereorder = False
-            self._shares: int | None = None
+            self._shares: dict[str, int] | None = None
 
         def _split_scope(self, nodeid: str) -> str:
             world = world_of(nodeid)
             if world is None:
                 return nodeid  # a test without a World is a unit of its own, as under "load"
             if self._shares is None:
-                worlds = {w for w in map(world_of, self.collection) if w is not None}
-                self._shares = max(1, math.ceil(2 * len(self.nodes) / max(1, len(worlds))))
+                self._shares = world_shares(self.collection, len(self.nodes))
             test = nodeid.rsplit("[", 1)[0]
-            return f"{world[0]}#{zlib.crc32(test.encode()) % self._shares}"
+            return f"{world[0]}#{zlib.crc32(test.encode()) % self._shares[world[0]]}"
 
         def remove_node(self, node: Any) -> str | None:
             # xdist's scope scheduling puts a crashed worker's whole unit back, the test that
