@@ -38,7 +38,7 @@ def _tests(counts: dict[int, int]) -> list[str]:
 
 def test_a_worlds_shares_follow_its_size_times_its_tests() -> None:
     shares = world_shares([*_tests({1: 10, 2: 10, 3: 10, 4: 10}), "tests/test_b.py::t"], 2)
-    assert shares == {f"threads-ws{n}-cpu": s for n, s in ((1, 1), (2, 2), (3, 2), (4, 3))}
+    assert shares == {f"threads-ws{n}-cpu": s for n, s in ((1, 2), (2, 5), (3, 7), (4, 10))}
 
 
 def test_every_world_gets_a_share_however_small() -> None:
@@ -46,18 +46,17 @@ def test_every_world_gets_a_share_however_small() -> None:
     assert shares == {"threads-ws1-cpu": 1, "threads-ws4-cpu": 2 * UNITS_PER_WORKER}
 
 
-def _worlds_per_worker(out: Path) -> dict[str, set[str]]:
-    worlds: dict[str, set[str]] = defaultdict(set)
-    for path in out.glob("results.gw*.jsonl"):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            world = world_of(record.get("nodeid", ""))
-            if record.get("kind") == "start" and world is not None:
-                worlds[world[0]].add(path.name)
-    return worlds
+def _starts(out: Path) -> list[tuple[str, str]]:
+    """Each World test's start: its node ID and the worker's results file."""
+    return [
+        (record["nodeid"], path.name)
+        for path in out.glob("results.gw*.jsonl")
+        for line in path.read_text().splitlines()
+        if (record := json.loads(line)).get("kind") == "start" and world_of(record["nodeid"])
+    ]
 
 
-def test_a_world_of_one_share_runs_on_one_worker(tmp_path: Path) -> None:
+def test_a_worlds_tests_of_one_function_run_once_on_one_worker(tmp_path: Path) -> None:
     config = RunConfig(
         suites=("uneven",),
         world_sizes=(1, 2, 3, 4),
@@ -68,10 +67,17 @@ def test_a_world_of_one_share_runs_on_one_worker(tmp_path: Path) -> None:
     )
     assert "--distconf-schedule=worlds" in session.pytest_arguments(config)
     assert session.run(config) == 0
-    worlds = _worlds_per_worker(tmp_path)
-    assert sorted(worlds) == [f"threads-ws{n}-cpu" for n in (1, 2, 3, 4)]
-    split = {world: files for world, files in worlds.items() if len(files) > 1}
-    assert "threads-ws1-cpu" not in split, f"got the one-rank World split {split}"
+    starts = _starts(tmp_path)
+    nodeids = [nodeid for nodeid, _ in starts]
+    assert len(nodeids) == len(set(nodeids)), "got a test started twice"
+    units: dict[tuple[str, str], set[str]] = defaultdict(set)
+    for nodeid, worker in starts:
+        world = world_of(nodeid)
+        assert world is not None
+        units[world[0], nodeid.rsplit("[", 1)[0]].add(worker)
+    assert {world for world, _ in units} == {f"threads-ws{n}-cpu" for n in (1, 2, 3, 4)}
+    split = {unit: workers for unit, workers in units.items() if len(workers) != 1}
+    assert not split, f"got a World's tests of one function on several workers {split}"
 
 
 def test_a_run_of_one_process_keeps_the_world_size_order_it_was_given(tmp_path: Path) -> None:

