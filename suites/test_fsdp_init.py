@@ -97,7 +97,7 @@ def _managed_groups(
 
 
 @pytest.mark.spec("fsdp_init.params.sharded_like_chunks")
-@PROPERTY
+@costly(2)  # 31 ms an example at world size 4
 @given(data=st.data())
 def test_unique_parameters_become_chunked_dtensors(world: World, data: st.DataObject) -> None:
     case = data.draw(graph_cases(world.world_size), label="case")
@@ -122,7 +122,7 @@ def test_ties_survive_fully_shard_and_steps(world: World, data: st.DataObject) -
 
 
 @pytest.mark.spec("fsdp_init.training.parity")
-@PROPERTY
+@costly(3)  # 75 ms an example at world size 4
 @given(data=st.data())
 def test_training_matches_one_device(world: World, data: st.DataObject) -> None:
     case = data.draw(graph_cases(world.world_size, train=True), label="case")
@@ -171,7 +171,7 @@ def test_lazy_init_module_and_parameter_fqns(world: World, data: st.DataObject) 
 
 
 @pytest.mark.spec("fsdp_init.lazy.double_init_error")
-@PROPERTY
+@costly(2)  # 10 ms an example at world size 4
 @given(data=st.data())
 def test_double_lazy_init_error(world: World, data: st.DataObject) -> None:
     case = data.draw(graph_cases(world.world_size), label="case")
@@ -186,7 +186,7 @@ def test_double_lazy_init_error(world: World, data: st.DataObject) -> None:
 
 
 @pytest.mark.spec("fsdp_init.lazy.multi_module_root_error")
-@PROPERTY
+@costly(2)  # 14 ms an example at world size 4
 @given(data=st.data())
 def test_multi_module_root_error(world: World, data: st.DataObject) -> None:
     case = data.draw(graph_cases(world.world_size, plan="multi_root"), label="case")
@@ -201,7 +201,7 @@ def test_multi_module_root_error(world: World, data: st.DataObject) -> None:
 
 
 @pytest.mark.spec("fsdp_init.ties.cross_group_error")
-@PROPERTY
+@costly(2)  # 21 ms an example at world size 4
 @given(data=st.data())
 def test_parameter_tied_across_groups_is_refused(world: World, data: st.DataObject) -> None:
     case = data.draw(graph_cases(world.world_size, plan="tied_across"), label="case")
@@ -251,7 +251,7 @@ def test_meta_init_to_empty_reset_and_train(world: World, data: st.DataObject) -
 
 
 @pytest.mark.spec("fsdp_init.meta.unmaterialized_error")
-@PROPERTY
+@costly(2)  # 39 ms an example at world size 4
 @given(data=st.data())
 def test_forward_with_meta_parameters_lists_them(world: World, data: st.DataObject) -> None:
     case = data.draw(graph_cases(world.world_size, meta=True), label="case")
@@ -420,7 +420,7 @@ def test_from_group_mesh_trains_like_init_device_mesh(world: World, data: st.Dat
 
 
 @pytest.mark.spec("fsdp_init.hook.all_reduce")
-@PROPERTY
+@costly(3)  # 69 ms an example at world size 4
 @given(data=st.data())
 def test_all_reduce_hook_gives_hsdp_gradients(world: World, data: st.DataObject) -> None:
     case = data.draw(mesh_mlp_cases(world.world_size, kind="hsdp"), label="case")
@@ -432,7 +432,7 @@ def test_all_reduce_hook_gives_hsdp_gradients(world: World, data: st.DataObject)
 
 
 @pytest.mark.spec("fsdp_init.hook.stream_rejected")
-@PROPERTY
+@costly(2)  # 34 ms an example at world size 4
 @given(data=st.data())
 def test_hsdp_refuses_a_hook_stream(world: World, data: st.DataObject) -> None:
     case = data.draw(mesh_mlp_cases(world.world_size, kind="hsdp"), label="case")
@@ -536,7 +536,7 @@ def test_zero_size_dims_are_sharded_like_others(world: World, data: st.DataObjec
 
 
 @pytest.mark.spec("fsdp_init.containers.forward_required")
-@PROPERTY
+@costly(2)  # 28 ms an example at world size 4
 @given(data=st.data())
 def test_containers_need_a_forward(world: World, data: st.DataObject) -> None:
     case = data.draw(container_cases(world.world_size), label="case")
@@ -572,7 +572,7 @@ def test_shard_placement_fn_layout(world: World, data: st.DataObject) -> None:
 
 
 @pytest.mark.spec("fsdp_init.params.frozen_mixed_dtypes")
-@PROPERTY
+@costly(2)  # 30 ms an example at world size 4
 @given(data=st.data())
 def test_frozen_parameters_of_mixed_dtypes(world: World, data: st.DataObject) -> None:
     case = data.draw(graph_cases(world.world_size), label="case")
@@ -583,7 +583,7 @@ def test_frozen_parameters_of_mixed_dtypes(world: World, data: st.DataObject) ->
 
 
 @pytest.mark.spec("fsdp_init.fsdp_module.classes_and_bf16")
-@PROPERTY
+@costly(3)  # 46 ms an example at world size 4
 @given(data=st.data())
 def test_old_import_path_classes_and_bf16_training(world: World, data: st.DataObject) -> None:
     case = data.draw(graph_cases(world.world_size, ties=False), label="case")

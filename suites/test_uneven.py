@@ -17,7 +17,7 @@ from torch.distributed.fsdp import fully_shard
 from harness import RankContext, World, parity
 from harness.cases.training import MLPCase
 from harness.parity import assert_array_equal, assert_close, assert_equal_values
-from harness.profiles import property_settings
+from harness.profiles import costly, property_settings
 from harness.strategies import (
     distribute_cases,
     extremum_empty_shard_cases,
@@ -200,7 +200,7 @@ def _assert_like_one_device(
 
 @pytest.mark.spec("uneven.fully_shard.params")
 @FSDP_RANKS
-@PROPERTY
+@costly(2)  # 54 ms an example at world size 4
 @given(data=st.data())
 def test_fully_shard_params_are_torch_chunk_pieces(world: World, data: st.DataObject) -> None:
     case = data.draw(mlp_cases(world.world_size), label="case")
@@ -222,7 +222,7 @@ def test_fully_shard_params_are_torch_chunk_pieces(world: World, data: st.DataOb
 
 @pytest.mark.spec("uneven.fully_shard.grads")
 @FSDP_RANKS
-@PROPERTY
+@costly(3)  # 73 ms an example at world size 4
 @given(data=st.data())
 def test_fully_shard_grads_match_one_device(world: World, data: st.DataObject) -> None:
     case = data.draw(mlp_cases(world.world_size), label="case")
@@ -238,7 +238,7 @@ def test_fully_shard_grads_match_one_device(world: World, data: st.DataObject) -
 
 @pytest.mark.spec("uneven.fully_shard.step_parity")
 @FSDP_RANKS
-@PROPERTY
+@costly(3)  # 82 ms an example at world size 4
 @given(data=st.data())
 def test_fully_shard_sgd_step_matches_one_device(world: World, data: st.DataObject) -> None:
     case = data.draw(mlp_cases(world.world_size), label="case")
