@@ -326,7 +326,9 @@ class OverlapCase:
 
 @dataclass(frozen=True)
 class JoinCase:
-    """Uneven inputs: rank r trains on ``inputs + r`` batches for ``epochs`` epochs."""
+    """Uneven inputs: rank r trains on ``inputs + r`` batches (``inputs`` where not
+    ``uneven``) for ``epochs`` epochs, under ``DistributedDataParallel.join`` with the
+    three options it takes."""
 
     dims: tuple[int, ...]
     inputs: int
@@ -335,3 +337,33 @@ class JoinCase:
     seed: int
     bias: bool = True
     dtype: str = "float64"
+    uneven: bool = True
+    divide_by_initial_world_size: bool = True
+    enable: bool = True
+    throw_on_early_termination: bool = False
+
+    def __post_init__(self) -> None:
+        # join(enable=False) leaves a rank that ran out of inputs out of the others'
+        # collectives: uneven inputs would hang them, as the docs say.
+        hangs = self.uneven and not self.enable
+        require(not hangs, "uneven", self.uneven, "False where enable=False")
+
+    def batches_of(self, rank: int) -> int:
+        """The batches ``rank`` trains on in one epoch."""
+        return self.inputs + rank if self.uneven else self.inputs
+
+    def join_options(self) -> dict[str, bool]:
+        """``DistributedDataParallel.join``'s keyword arguments."""
+        return {
+            "divide_by_initial_world_size": self.divide_by_initial_world_size,
+            "enable": self.enable,
+            "throw_on_early_termination": self.throw_on_early_termination,
+        }
+
+    def call(self) -> str:
+        options = ", ".join(f"{k}={v}" for k, v in self.join_options().items())
+        batches = f"{self.inputs} + rank" if self.uneven else f"{self.inputs}"
+        return (
+            f"with DistributedDataParallel(MLP{self.dims}, bias={self.bias}).join({options}): "
+            f"{self.epochs} epoch(s) of {batches} batch(es) of SGD(lr={self.lr}), {self.dtype}"
+        )

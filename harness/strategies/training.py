@@ -569,12 +569,27 @@ def overlap_cases(draw: st.DrawFn, world_size: int, *, shard_buckets: bool) -> O
 
 @takes_world_size
 @st.composite
-def join_cases(draw: st.DrawFn, world_size: int) -> JoinCase:
+def join_cases(draw: st.DrawFn, world_size: int, *, options: bool = False) -> JoinCase:
+    """MLPs trained on uneven inputs (rank r has r more batches); ``options=True`` also
+    draws ``join``'s options: ``enable=False`` only with even inputs (uneven ones would
+    hang the ranks still training), ``throw_on_early_termination`` with uneven or even
+    inputs (where it never throws)."""
     dims = tuple(draw(st.integers(1, 2 * world_size + 1)) for _ in range(draw(st.integers(2, 4))))
-    return JoinCase(
+    case = JoinCase(
         dims=dims,
         inputs=draw(st.integers(1, 3)),
         epochs=draw(st.integers(1, 2)),
         lr=draw(sampled(_LRS)),
         seed=draw(seeds()),
+    )
+    if not options:
+        return case
+    enable = draw(st.booleans())
+    return replace(
+        case,
+        bias=draw(st.booleans()),
+        uneven=enable and draw(st.booleans()),
+        divide_by_initial_world_size=draw(st.booleans()),
+        enable=enable,
+        throw_on_early_termination=draw(st.booleans()),
     )
