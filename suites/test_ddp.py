@@ -1,7 +1,10 @@
 """DistributedDataParallel's options beyond the training parity of test_optim_parity.py
-(optim.ddp.*): ``join``'s options with uneven inputs, against the arithmetic its docs give."""
+(optim.ddp.*): ``join``'s options with uneven inputs, against the arithmetic its docs give;
+the device options a CPU module refuses; the late all-reduce of float64 parameters."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -9,15 +12,22 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness import World, parity
+from harness.cases.ddp import CpuDeviceCase
 from harness.parity import assert_close, assert_equal_values, failure
-from harness.profiles import costly
-from harness.strategies import join_cases
+from harness.profiles import costly, property_settings
+from harness.strategies import cpu_device_cases, delayed_all_reduces, join_cases, parity_cases
+from harness.torchkit.optim import describe_reference, reference_run
 from suites.checks.ddp_join import EXHAUSTED, ddp_join_on_rank, join_reference
+from suites.checks.ddp_options import cpu_device_options_on_rank
+from suites.checks.training import assert_trained_like, train_on_rank
+
+PROPERTY = property_settings()
 
 # float64 SGD: DDP divides each rank's gradient before the all-reduce sums them, the
 # reference sums the quotients in rank order; another order of additions, a few ulps.
 RTOL, ATOL = 1e-10, 1e-12
 WHY = "the all-reduce may add the ranks' gradients in another order than the reference"
+WHY_MEAN = "per-rank gradients are averaged in another order than one global mean"
 
 
 def _assert_params(got: list[np.ndarray], want: list[np.ndarray], what: str) -> None:
@@ -49,3 +59,43 @@ def test_join_options_follow_the_documented_arithmetic(world: World, data: st.Da
         # where one threw, every rank stopped at the same step
         final = expected.trajectory[max(expected.steps_of) - 1]
         _assert_params(run.final, final, f"after the join context on rank {rank}")
+
+
+def _check_cpu_device_refused(world: World, case: CpuDeviceCase) -> None:
+    parity.attach(case.call())
+    parity.note_reference("the DistributedDataParallel docs: None for CPU modules")
+    for rank, outcome in enumerate(world.run(cpu_device_options_on_rank, case)):
+        if not outcome.startswith("ValueError"):
+            raise failure(f"on rank {rank}: got {outcome!r}, should raise ValueError")
+
+
+@pytest.mark.spec("ddp.cpu_module.device_ids")
+@PROPERTY
+@given(data=st.data())
+def test_device_ids_of_a_cpu_module_are_refused(world: World, data: st.DataObject) -> None:
+    case = data.draw(cpu_device_cases(world.world_size, option="device_ids"), label="case")
+    _check_cpu_device_refused(world, case)
+
+
+@pytest.mark.spec("ddp.cpu_module.output_device")
+@PROPERTY
+@given(data=st.data())
+def test_output_device_of_a_cpu_module_is_refused(world: World, data: st.DataObject) -> None:
+    case = data.draw(cpu_device_cases(world.world_size, option="output_device"), label="case")
+    _check_cpu_device_refused(world, case)
+
+
+@pytest.mark.spec("ddp.delay_all_reduce.float64")
+@PROPERTY
+@given(data=st.data())
+def test_late_all_reduce_trains_float64_like_one_device(world: World, data: st.DataObject) -> None:
+    case = data.draw(parity_cases(world.world_size, layout="ddp"), label="case")
+    dims = case.dims if len(case.dims) > 2 else (*case.dims, data.draw(st.integers(1, 5)))
+    late = data.draw(delayed_all_reduces(dims, case.bias), label="late all-reduce")
+    case = replace(case, dims=dims, dtype="float64", wrapper_options=late)
+    parity.attach(case.call())
+    reference = reference_run(case)
+    parity.note_reference(describe_reference(case))
+    trained = world.run(train_on_rank, case)
+    # float64: the per-rank gradients are averaged in another order than one global mean
+    assert_trained_like(reference, trained, case, rtol=1e-10, atol=1e-12, why=WHY_MEAN)

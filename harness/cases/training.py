@@ -61,6 +61,22 @@ FSDP_LAYOUTS = ("fsdp", "hsdp", "fsdp_tp", "hsdp_tp")
 """Layouts that call ``fully_shard``: the ones knobs and precision policies apply to."""
 
 
+DDP_GROUPS = {
+    "process_group": "<the world's 1-D mesh's group>",
+    "device_mesh": "<the world's 1-D mesh>",
+}
+"""DDP's group options (one at most) and how a case spells the value it passes: the
+group of the ranks, or a 1-D ``DeviceMesh`` over them."""
+
+
+def delayable_parameters(dims: tuple[int, ...], bias: bool, first: int) -> tuple[str, ...]:
+    """The names of the parameters of an MLP of ``dims`` (Linear, ReLU, Linear, ...)
+    from its Linear number ``first`` on: what ``delay_all_reduce_named_params`` names."""
+    linears = range(first, len(dims) - 1)
+    kinds = ("weight", "bias") if bias else ("weight",)
+    return tuple(f"{2 * index}.{kind}" for index in linears for kind in kinds)
+
+
 def data_parallel(layout: str, mesh: tuple[int, ...]) -> int:
     """Ranks that see different data: all but the tensor-parallel axis."""
     tp = mesh[-1] if layout in TP_LAYOUTS else 1
