@@ -4,24 +4,27 @@ the device options a CPU module refuses; the late all-reduce of float64 paramete
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from harness import World, parity
 from harness.cases.ddp import CpuDeviceCase
+from harness.cases.training import OptimConfig, ParityCase
 from harness.parity import assert_close, assert_equal_values, failure
 from harness.profiles import costly, property_settings
-from harness.strategies import cpu_device_cases, delayed_all_reduces, join_cases, parity_cases
+from harness.strategies import cpu_device_cases, delayed_all_reduces, join_cases, seeds
 from harness.torchkit.optim import describe_reference, reference_run
 from suites.checks.ddp_join import EXHAUSTED, ddp_join_on_rank, join_reference
 from suites.checks.ddp_options import cpu_device_options_on_rank
 from suites.checks.training import assert_trained_like, train_on_rank
 
 PROPERTY = property_settings()
+# Every example of ddp.delay_all_reduce.float64 fails on torch 2.13, each failure costing a
+# World reset: hypothesis' explain phase (hundreds of variants of the shrunk example) took
+# 25-31 s per world size; the shrunk example already says what fails.
+WITHOUT_EXPLAIN = settings(PROPERTY, phases=tuple(p for p in Phase if p is not Phase.explain))
 
 # float64 SGD: DDP divides each rank's gradient before the all-reduce sums them, the
 # reference sums the quotients in rank order; another order of additions, a few ulps.
@@ -39,7 +42,7 @@ def _assert_params(got: list[np.ndarray], want: list[np.ndarray], what: str) -> 
 
 
 @pytest.mark.spec("ddp.join.options")
-@costly(2)  # 25 ms an example at world size 2
+@costly(4)  # 180 ms an example at world size 4
 @given(data=st.data())
 def test_join_options_follow_the_documented_arithmetic(world: World, data: st.DataObject) -> None:
     case = data.draw(join_cases(world.world_size, options=True), label="case")
@@ -86,13 +89,26 @@ def test_output_device_of_a_cpu_module_is_refused(world: World, data: st.DataObj
 
 
 @pytest.mark.spec("ddp.delay_all_reduce.float64")
-@PROPERTY
+@WITHOUT_EXPLAIN
 @given(data=st.data())
 def test_late_all_reduce_trains_float64_like_one_device(world: World, data: st.DataObject) -> None:
-    case = data.draw(parity_cases(world.world_size, layout="ddp"), label="case")
-    dims = case.dims if len(case.dims) > 2 else (*case.dims, data.draw(st.integers(1, 5)))
-    late = data.draw(delayed_all_reduces(dims, case.bias), label="late all-reduce")
-    case = replace(case, dims=dims, dtype="float64", wrapper_options=late)
+    # A small case of few choices: every float64 example fails on torch 2.13, and
+    # shrinking parity_cases' (every optimizer option) took 70-88 s over world sizes 1-4.
+    dims = data.draw(st.lists(st.integers(1, 5), min_size=3, max_size=4).map(tuple), label="dims")
+    bias = data.draw(st.booleans(), label="bias")
+    case = ParityCase(
+        layout="ddp",
+        mesh_shape=(world.world_size,),
+        dims=dims,
+        bias=bias,
+        batch_per_rank=data.draw(st.integers(1, 3), label="rows per rank"),
+        dtype="float64",
+        optim=OptimConfig("SGD", "default", lr=0.1),
+        steps=data.draw(st.integers(1, 3), label="steps"),
+        precision=None,
+        seed=data.draw(seeds(), label="seed"),
+        wrapper_options=data.draw(delayed_all_reduces(dims, bias), label="late all-reduce"),
+    )
     parity.attach(case.call())
     reference = reference_run(case)
     parity.note_reference(describe_reference(case))
