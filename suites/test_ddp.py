@@ -1,8 +1,11 @@
 """DistributedDataParallel's options beyond the training parity of test_optim_parity.py
 (optim.ddp.*): ``join``'s options with uneven inputs, against the arithmetic its docs give;
-the device options a CPU module refuses; the late all-reduce of float64 parameters."""
+the device options a CPU module refuses; the late all-reduce of some parameters
+(``delay_all_reduce_named_params``), against one device."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -11,10 +14,16 @@ from hypothesis import strategies as st
 
 from harness import World, parity
 from harness.cases.ddp import CpuDeviceCase
-from harness.cases.training import OptimConfig, ParityCase
+from harness.cases.training import OPTIMIZERS, OptimConfig, ParityCase
 from harness.parity import assert_close, assert_equal_values, failure
 from harness.profiles import costly, property_settings
-from harness.strategies import cpu_device_cases, delayed_all_reduces, join_cases, seeds
+from harness.strategies import (
+    cpu_device_cases,
+    delayed_all_reduces,
+    join_cases,
+    parity_cases,
+    seeds,
+)
 from harness.torchkit.optim import describe_reference, reference_run
 from suites.checks.ddp_join import EXHAUSTED, ddp_join_on_rank, join_reference
 from suites.checks.ddp_options import cpu_device_options_on_rank
@@ -115,3 +124,34 @@ def test_late_all_reduce_trains_float64_like_one_device(world: World, data: st.D
     trained = world.run(train_on_rank, case)
     # float64: the per-rank gradients are averaged in another order than one global mean
     assert_trained_like(reference, trained, case, rtol=1e-10, atol=1e-12, why=WHY_MEAN)
+
+
+# float32, as optim.ddp.parity: the ranks' gradients are averaged in another order than one
+# global mean (a few ulps a step), and float32 Adam divides each gradient element by its own
+# magnitude, so an element clipping made tiny turns an ulp into up to 1.2e-4 of its step.
+FLOAT32_RTOL, FLOAT32_ATOL = 1e-3, 1e-6
+
+
+@pytest.mark.spec("ddp.delay_all_reduce.parity")
+@costly(2)  # 57 ms an example at world size 4
+@given(data=st.data())
+def test_late_all_reduce_trains_like_one_device(world: World, data: st.DataObject) -> None:
+    drawn = parity_cases(
+        world.world_size,
+        layout="ddp",
+        variants=True,
+        optimizers=OPTIMIZERS,
+        accelerator=world.device != "cpu",
+        ddp_controls=True,
+    )
+    case = data.draw(drawn, label="case")
+    dims = case.dims if len(case.dims) > 2 else (*case.dims, data.draw(st.integers(1, 5)))
+    late = data.draw(delayed_all_reduces(dims, case.bias), label="late all-reduce")
+    options = (*case.wrapper_options, *late)
+    case = replace(case, dims=dims, dtype="float32", wrapper_options=options)
+    parity.attach(case.call())
+    reference = reference_run(case)
+    parity.note_reference(describe_reference(case))
+    trained = world.run(train_on_rank, case)
+    rtol, atol = FLOAT32_RTOL, FLOAT32_ATOL
+    assert_trained_like(reference, trained, case, rtol=rtol, atol=atol, why=WHY_MEAN)

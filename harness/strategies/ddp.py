@@ -36,20 +36,11 @@ def _buffer_syncs() -> st.SearchStrategy[_Options]:
     return sampled(((), *(((name, on),) for name in names for on in (True, False))))
 
 
-def ddp_options(
-    draw: st.DrawFn,
-    *,
-    accumulates: bool,
-    controls: bool,
-    dims: tuple[int, ...],
-    bias: bool,
-    dtype: str,
-) -> _Options:
+def ddp_options(draw: st.DrawFn, *, accumulates: bool, controls: bool) -> _Options:
     """The DDP constructor's keyword arguments: bucketing, ``static_graph`` only where no
     micro-batch skips the sync (``accumulates``; torch 2.13 fails that, spec
     optim.ddp.static_graph_no_sync checks it on its own), ``find_unused_parameters``, the
-    buffer syncs. ``controls=True`` also draws how DDP starts and synchronises (module
-    ``dims``/``bias``/``dtype`` say which parameters a late all-reduce may take)."""
+    buffer syncs. ``controls=True`` also draws how DDP starts and synchronises."""
     find_unused = draw(st.booleans())
     options: list[tuple[str, Any]] = [
         ("gradient_as_bucket_view", draw(st.booleans())),
@@ -59,20 +50,18 @@ def ddp_options(
         *draw(_buffer_syncs()),
     ]
     if controls:
-        options += _controls(draw, find_unused=find_unused, dims=dims, bias=bias, dtype=dtype)
+        options += _controls(draw, find_unused=find_unused)
     return tuple(options)
 
 
-def _controls(
-    draw: st.DrawFn, *, find_unused: bool, dims: tuple[int, ...], bias: bool, dtype: str
-) -> list[tuple[str, Any]]:
+def _controls(draw: st.DrawFn, *, find_unused: bool) -> list[tuple[str, Any]]:
     """``init_sync`` (False: the seeded model starts equal on every rank), the group (the
     default, an explicit one, or a 1-D mesh: one of them), the deprecated
     ``check_reduction`` and ``dim`` (DDP scatters inputs by it over ``device_ids`` only,
     never given here), ``batched_grad_copy``, ``bucket_cap_mb_list``,
-    ``skip_all_reduce_unused_params`` with ``find_unused_parameters``, and some layers'
-    parameters all-reduced late (float32 only: torch 2.13's late all-reduce buffer is
-    float32 whatever the parameters' dtype, spec ddp.delay_all_reduce.float64)."""
+    ``skip_all_reduce_unused_params`` with ``find_unused_parameters``. Not the late
+    all-reduce (``delayed_all_reduces``), which torch 2.13 races with the next backward
+    on gloo: spec ddp.delay_all_reduce.parity draws it on its own."""
     options = [
         ("init_sync", draw(st.booleans())),
         ("check_reduction", draw(st.booleans())),
@@ -87,8 +76,6 @@ def _controls(
     caps = draw(st.none() | sampled(_BUCKET_CAP_LISTS))
     if caps is not None:
         options.append(("bucket_cap_mb_list", caps))
-    if dtype == "float32" and len(dims) > 2 and draw(st.booleans()):
-        options += draw(delayed_all_reduces(dims, bias))
     return options
 
 

@@ -349,18 +349,9 @@ def _parity_cases(
     if variants:
         clipping = draw(st.none() | clippings(_clip_norm_types(layout, mesh, tuple(dims))))
     accumulates = micro_batches > 1 and not sync_each
-    bias = draw(st.booleans())
     wrapper_options: tuple[tuple[str, Any], ...] = ()
     if variants:
-        wrapper_options = _wrapper_options(
-            draw,
-            layout,
-            accumulates,
-            ddp_controls=ddp_controls,
-            dims=tuple(dims),
-            bias=bias,
-            dtype=dtype,
-        )
+        wrapper_options = _wrapper_options(draw, layout, accumulates, ddp_controls)
     comm_hook = None
     if variants and layout in ("ddp", "zero"):
         comm_hook = draw(st.none() | comm_hooks(LOSSLESS, states=ddp_controls))
@@ -368,7 +359,7 @@ def _parity_cases(
         layout=layout,
         mesh_shape=mesh,
         dims=tuple(dims),
-        bias=bias,
+        bias=draw(st.booleans()),
         batch_per_rank=micro_batches * draw(st.integers(1, 3)),
         dtype=dtype,
         optim=draw(
@@ -409,20 +400,11 @@ def _clip_norm_types(
 
 
 def _wrapper_options(
-    draw: st.DrawFn,
-    layout: str,
-    accumulates: bool,
-    *,
-    ddp_controls: bool,
-    dims: tuple[int, ...],
-    bias: bool,
-    dtype: str,
+    draw: st.DrawFn, layout: str, accumulates: bool, ddp_controls: bool
 ) -> tuple[tuple[str, Any], ...]:
     """DDP's (``strategies.ddp.ddp_options``) or ``fully_shard``'s."""
     if layout in ("ddp", "zero"):
-        return ddp_options(
-            draw, accumulates=accumulates, controls=ddp_controls, dims=dims, bias=bias, dtype=dtype
-        )
+        return ddp_options(draw, accumulates=accumulates, controls=ddp_controls)
     return (("reshard_after_forward", draw(st.booleans())),)
 
 
