@@ -77,6 +77,7 @@ def _check_layout(world: World, data: st.DataObject, layout: str) -> None:
             variants=True,
             optimizers=OPTIMIZERS,
             accelerator=world.device != "cpu",
+            ddp_controls=layout in PLAIN_TENSORS,
         ),
         label="case",
     )

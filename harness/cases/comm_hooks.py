@@ -19,9 +19,11 @@ HOOKS = (*LOSSLESS, *ROUNDING)
 
 @dataclass(frozen=True, kw_only=True)
 class CommHook:
-    """A hook of ``HOOKS``, registered with no state (the default process group)."""
+    """A hook of ``HOOKS``, registered with no state (the default process group) or, where
+    ``group_state``, the DDP model's process group as its state."""
 
     name: str
+    group_state: bool = False
 
     def __post_init__(self) -> None:
         check_one_of("name", self.name, HOOKS)
@@ -34,4 +36,5 @@ class CommHook:
         return "float16" if self.name.startswith("fp16") else "bfloat16"
 
     def describe(self) -> str:
-        return f"comm hook {self.name}"
+        state = "the DDP's process group" if self.group_state else "None"
+        return f"comm hook {self.name} (state {state})"

@@ -61,6 +61,22 @@ FSDP_LAYOUTS = ("fsdp", "hsdp", "fsdp_tp", "hsdp_tp")
 """Layouts that call ``fully_shard``: the ones knobs and precision policies apply to."""
 
 
+DDP_GROUPS = {
+    "process_group": "<the world's 1-D mesh's group>",
+    "device_mesh": "<the world's 1-D mesh>",
+}
+"""DDP's group options (one at most) and how a case spells the value it passes: the
+group of the ranks, or a 1-D ``DeviceMesh`` over them."""
+
+
+def delayable_parameters(dims: tuple[int, ...], bias: bool, first: int) -> tuple[str, ...]:
+    """The names of the parameters of an MLP of ``dims`` (Linear, ReLU, Linear, ...)
+    from its Linear number ``first`` on: what ``delay_all_reduce_named_params`` names."""
+    linears = range(first, len(dims) - 1)
+    kinds = ("weight", "bias") if bias else ("weight",)
+    return tuple(f"{2 * index}.{kind}" for index in linears for kind in kinds)
+
+
 def data_parallel(layout: str, mesh: tuple[int, ...]) -> int:
     """Ranks that see different data: all but the tensor-parallel axis."""
     tp = mesh[-1] if layout in TP_LAYOUTS else 1
@@ -326,7 +342,9 @@ class OverlapCase:
 
 @dataclass(frozen=True)
 class JoinCase:
-    """Uneven inputs: rank r trains on ``inputs + r`` batches for ``epochs`` epochs."""
+    """Uneven inputs: rank r trains on ``inputs + r`` batches (``inputs`` where not
+    ``uneven``) for ``epochs`` epochs, under ``DistributedDataParallel.join`` with the
+    three options it takes."""
 
     dims: tuple[int, ...]
     inputs: int
@@ -335,3 +353,33 @@ class JoinCase:
     seed: int
     bias: bool = True
     dtype: str = "float64"
+    uneven: bool = True
+    divide_by_initial_world_size: bool = True
+    enable: bool = True
+    throw_on_early_termination: bool = False
+
+    def __post_init__(self) -> None:
+        # join(enable=False) leaves a rank that ran out of inputs out of the others'
+        # collectives: uneven inputs would hang them, as the docs say.
+        hangs = self.uneven and not self.enable
+        require(not hangs, "uneven", self.uneven, "False where enable=False")
+
+    def batches_of(self, rank: int) -> int:
+        """The batches ``rank`` trains on in one epoch."""
+        return self.inputs + rank if self.uneven else self.inputs
+
+    def join_options(self) -> dict[str, bool]:
+        """``DistributedDataParallel.join``'s keyword arguments."""
+        return {
+            "divide_by_initial_world_size": self.divide_by_initial_world_size,
+            "enable": self.enable,
+            "throw_on_early_termination": self.throw_on_early_termination,
+        }
+
+    def call(self) -> str:
+        options = ", ".join(f"{k}={v}" for k, v in self.join_options().items())
+        batches = f"{self.inputs} + rank" if self.uneven else f"{self.inputs}"
+        return (
+            f"with DistributedDataParallel(MLP{self.dims}, bias={self.bias}).join({options}): "
+            f"{self.epochs} epoch(s) of {batches} batch(es) of SGD(lr={self.lr}), {self.dtype}"
+        )

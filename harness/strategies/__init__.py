@@ -18,6 +18,7 @@ from harness.strategies._common import (
 from harness.strategies.checkpointing import checkpointings
 from harness.strategies.comm_hooks import comm_hooks
 from harness.strategies.dcp_layouts import dcp_layout_cases as dcp_layout_cases
+from harness.strategies.ddp import cpu_device_cases, delayed_all_reduces
 from harness.strategies.hsdp import (
     group_error_cases,
     hsdp_cases,
@@ -109,6 +110,8 @@ __all__ = [
     "clippings",
     "comm_hooks",
     "container_cases",
+    "cpu_device_cases",
+    "delayed_all_reduces",
     "distribute_cases",
     "dtypes",
     "einsum_unit_dim_cases",

@@ -12,12 +12,16 @@ from harness.errors import check_subset
 from harness.strategies._common import sampled
 
 
-def comm_hooks(names: Sequence[str] = HOOKS) -> st.SearchStrategy[CommHook]:
-    """A hook of ``names``."""
+def comm_hooks(
+    names: Sequence[str] = HOOKS, *, states: bool = False
+) -> st.SearchStrategy[CommHook]:
+    """A hook of ``names``; ``states=True`` sometimes registers it with the DDP model's
+    process group as its state (the default hooks all-reduce over the state's group)."""
     check_subset("names", names, HOOKS, non_empty=True)
-    return _comm_hooks(tuple(names))
+    return _comm_hooks(tuple(names), states)
 
 
 @cache
-def _comm_hooks(names: tuple[str, ...]) -> st.SearchStrategy[CommHook]:
-    return st.builds(CommHook, name=sampled(names))
+def _comm_hooks(names: tuple[str, ...], states: bool) -> st.SearchStrategy[CommHook]:
+    group_state = st.booleans() if states else st.just(False)
+    return st.builds(CommHook, name=sampled(names), group_state=group_state)

@@ -42,10 +42,10 @@ from harness.strategies._common import (
     takes_world_size,
 )
 from harness.strategies.comm_hooks import comm_hooks
+from harness.strategies.ddp import ddp_options
 from harness.strategies.knobs import KNOB_FAMILIES, draw_knobs, precisions
 from harness.strategies.placements import placements
 from harness.strategies.schedules import clippings, schedules
-from harness.torchkit.surface.inventory import callable_of, options_of, resolve
 from specs.chunking import shard_sizes
 from specs.optimizers import OPTIMIZERS as MODELLED
 
@@ -242,6 +242,7 @@ def parity_cases(
     optim_flags: bool = False,
     accelerator: bool = False,
     optimizers: Sequence[str] = CORE_OPTIMIZERS,
+    ddp_controls: bool = False,
 ) -> st.SearchStrategy[ParityCase]:
     """A training run to compare under ``layout`` with one device.
 
@@ -267,6 +268,9 @@ def parity_cases(
     2.13 serves them (``capturable`` off the fused kernels only if ``accelerator``);
     ``accelerator=True`` (the World is on one) leaves out the fused kernels torch has on
     the CPU only. ``optimizers`` names the ``torch.optim`` optimizers to draw.
+    ``ddp_controls=True`` (ddp, zero, with ``variants``) also draws DDP's options of how it
+    starts and synchronises (``strategies.ddp``) and a process group as the comm hook's
+    state.
     """
     check_subset("optimizers", optimizers, OPTIMIZERS, non_empty=True)
     check_one_of("layout", layout, LAYOUTS)
@@ -291,6 +295,7 @@ def parity_cases(
         optim_flags=optim_flags,
         accelerator=accelerator,
         optimizers=tuple(optimizers),
+        ddp_controls=ddp_controls,
     )
 
 
@@ -311,6 +316,7 @@ def _parity_cases(
     optim_flags: bool,
     accelerator: bool,
     optimizers: tuple[str, ...],
+    ddp_controls: bool,
 ) -> ParityCase:
     shard = "many" if premul_sum else ("one" if one_rank_shard else None)
     mesh = _layout_mesh(draw, world_size, layout, shard)
@@ -343,10 +349,12 @@ def _parity_cases(
     if variants:
         clipping = draw(st.none() | clippings(_clip_norm_types(layout, mesh, tuple(dims))))
     accumulates = micro_batches > 1 and not sync_each
-    wrapper_options = _wrapper_options(draw, layout, accumulates) if variants else ()
+    wrapper_options: tuple[tuple[str, Any], ...] = ()
+    if variants:
+        wrapper_options = _wrapper_options(draw, layout, accumulates, ddp_controls)
     comm_hook = None
     if variants and layout in ("ddp", "zero"):
-        comm_hook = draw(st.none() | comm_hooks(LOSSLESS))
+        comm_hook = draw(st.none() | comm_hooks(LOSSLESS, states=ddp_controls))
     return ParityCase(
         layout=layout,
         mesh_shape=mesh,
@@ -391,38 +399,12 @@ def _clip_norm_types(
     return (2.0, 1.0, math.inf)
 
 
-_BUCKET_PER_PARAMETER = 1e-5
-"""A DDP ``bucket_cap_mb`` that puts every parameter in a bucket of its own."""
-
-
-_BUFFER_SYNC_NAMES = ("forward_sync_buffers", "broadcast_buffers")
-
-
-@cache
-def _buffer_syncs() -> st.SearchStrategy[tuple[tuple[str, bool], ...]]:
-    """DDP's buffer syncs: the defaults, ``forward_sync_buffers``, or its deprecated spelling
-    ``broadcast_buffers``, whose False also skips the sync at construction; of those, the
-    ones the running torch's DDP takes (torch 2.11 has no ``forward_sync_buffers``)."""
-    found = resolve("torch.nn.parallel:DistributedDataParallel")
-    assert found is not None, "torch without DistributedDataParallel"
-    taken = {option.name for option in options_of(callable_of(found[1]))}
-    names = [name for name in _BUFFER_SYNC_NAMES if name in taken]
-    return sampled(((), *(((name, on),) for name in names for on in (True, False))))
-
-
 def _wrapper_options(
-    draw: st.DrawFn, layout: str, accumulates: bool
+    draw: st.DrawFn, layout: str, accumulates: bool, ddp_controls: bool
 ) -> tuple[tuple[str, Any], ...]:
-    """DDP's: ``static_graph`` only where no micro-batch skips the sync (``accumulates``;
-    torch 2.13 fails that, spec optim.ddp.static_graph_no_sync checks it on its own)."""
+    """DDP's (``strategies.ddp.ddp_options``) or ``fully_shard``'s."""
     if layout in ("ddp", "zero"):
-        return (
-            ("gradient_as_bucket_view", draw(st.booleans())),
-            ("bucket_cap_mb", draw(sampled((25.0, _BUCKET_PER_PARAMETER)))),
-            ("static_graph", not accumulates and draw(st.booleans())),
-            ("find_unused_parameters", draw(st.booleans())),
-            *draw(_buffer_syncs()),
-        )
+        return ddp_options(draw, accumulates=accumulates, controls=ddp_controls)
     return (("reshard_after_forward", draw(st.booleans())),)
 
 
@@ -569,12 +551,27 @@ def overlap_cases(draw: st.DrawFn, world_size: int, *, shard_buckets: bool) -> O
 
 @takes_world_size
 @st.composite
-def join_cases(draw: st.DrawFn, world_size: int) -> JoinCase:
+def join_cases(draw: st.DrawFn, world_size: int, *, options: bool = False) -> JoinCase:
+    """MLPs trained on uneven inputs (rank r has r more batches); ``options=True`` also
+    draws ``join``'s options: ``enable=False`` only with even inputs (uneven ones would
+    hang the ranks still training), ``throw_on_early_termination`` with uneven or even
+    inputs (where it never throws)."""
     dims = tuple(draw(st.integers(1, 2 * world_size + 1)) for _ in range(draw(st.integers(2, 4))))
-    return JoinCase(
+    case = JoinCase(
         dims=dims,
         inputs=draw(st.integers(1, 3)),
         epochs=draw(st.integers(1, 2)),
         lr=draw(sampled(_LRS)),
         seed=draw(seeds()),
+    )
+    if not options:
+        return case
+    enable = draw(st.booleans())
+    return replace(
+        case,
+        bias=draw(st.booleans()),
+        uneven=enable and draw(st.booleans()),
+        divide_by_initial_world_size=draw(st.booleans()),
+        enable=enable,
+        throw_on_early_termination=draw(st.booleans()),
     )

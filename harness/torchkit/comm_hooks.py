@@ -19,6 +19,8 @@ _HOOKS: dict[str, Any] = {
 
 
 def register(model: DistributedDataParallel, hook: CommHook | None) -> None:
-    """Register ``hook`` on ``model`` (nothing for None)."""
+    """Register ``hook`` on ``model`` (nothing for None), its state the model's process
+    group where ``hook.group_state``."""
     if hook is not None:
-        model.register_comm_hook(None, _HOOKS[hook.name])
+        state = model.process_group if hook.group_state else None
+        model.register_comm_hook(state, _HOOKS[hook.name])

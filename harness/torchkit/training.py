@@ -27,6 +27,7 @@ from harness.cases.meshes import MeshCase
 from harness.cases.training import TP_LAYOUTS, ParityCase
 from harness.torchkit import comm_hooks
 from harness.torchkit.context import RankContext
+from harness.torchkit.ddp import ddp_kwargs
 from harness.torchkit.dtensor import full_array, tensor_from
 from harness.torchkit.fsdp_knobs import (
     after_step,
@@ -117,8 +118,10 @@ def parallelize(
     ``fsdp_options`` go to every ``fully_shard`` call (``reshard_after_forward``,
     ``offload_policy``, ``shard_placement_fn``)."""
     if case.layout in ("ddp", "zero"):
-        _start_apart(model, ctx.rank)
-        ddp = DistributedDataParallel(model, **dict(case.wrapper_options))
+        options = dict(case.wrapper_options)
+        if options.get("init_sync", True):
+            _start_apart(model, ctx.rank)
+        ddp = DistributedDataParallel(model, **ddp_kwargs(model, options, ctx))
         comm_hooks.register(ddp, case.comm_hook)
         return ddp, ctx.rank
     if case.layout in TP_LAYOUTS:
@@ -136,7 +139,9 @@ def parallelize(
 
 def _start_apart(model: nn.Module, rank: int) -> None:
     """Shift every parameter of ranks other than 0: DDP's constructor must broadcast rank
-    0's parameters, so training still starts from the one-device model."""
+    0's parameters, so training still starts from the one-device model (the caller skips
+    it where ``init_sync=False``: the seeded model then starts equal on every rank, as
+    DDP's docs require)."""
     with torch.no_grad():
         for param in model.parameters():
             param.add_(rank)
