@@ -166,3 +166,12 @@ def test_knobs_refuse_a_sharded_first_layer_that_checkpointing_recomputes():
     with pytest.raises(InvalidArgument, match="first_layer_stays_sharded=True must be False"):
         Knobs(first_layer_stays_sharded=True, checkpoint=Checkpointing(layers=(0, 1)))
     Knobs(first_layer_stays_sharded=True, checkpoint=Checkpointing(layers=(1,)))
+
+
+def test_knobs_refuse_two_unshard_in_backward_calls_and_unknown_forward_methods() -> None:
+    with pytest.raises(InvalidArgument, match="first_layer_unshards=True must be False"):
+        Knobs(first_layer_stays_sharded=True, first_layer_unshards=True)
+    with pytest.raises(InvalidArgument, match="forward_method='decode' must be one of"):
+        Knobs(forward_method="decode")
+    assert Knobs(force_sum_reduction=False).describe() == "force_sum_reduction=False"
+    assert Knobs().describe() == ""

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from hypothesis import strategies as st
 
-from harness.cases.knobs import PRECISION_DTYPES, Knobs, Precision
+from harness.cases.knobs import FORWARD_METHODS, PRECISION_DTYPES, Knobs, Precision
 from harness.cases.training import FSDP_LAYOUTS, data_parallel, shard_size
 from harness.errors import check_one_of, check_subset
 from harness.strategies._common import factorisations, reshard_factors, sampled
@@ -85,7 +85,8 @@ def draw_knobs(
         chosen = _resharding(draw, chosen, layout, mesh, layers, focused=focus == "resharding")
     if "checkpoint" in turned:
         chosen = chosen.with_checkpoint(draw(checkpointings(layers)))
-    return replace(chosen, keyword_input=draw(st.booleans())), micro_batches
+    method = draw(st.none() | sampled(FORWARD_METHODS))
+    return replace(chosen, keyword_input=draw(st.booleans()), forward_method=method), micro_batches
 
 
 def _divide_factor(
@@ -104,7 +105,7 @@ def _divide_factor(
         chosen,
         divide_factor=draw(sampled(factors)),
         deprecated_spelling=draw(st.booleans()),
-        force_sum_reduction=not premul_sum and draw(st.booleans()),
+        force_sum_reduction=draw(sampled((None, False) if premul_sum else (None, False, True))),
     )
     if not premul_sum and uses_premul_sum(chosen, layout, mesh, reduce_dtype):
         chosen = replace(chosen, force_sum_reduction=True)
@@ -139,6 +140,7 @@ def _micro_batching(draw: st.DrawFn, chosen: Knobs, layout: str) -> tuple[Knobs,
         hold_all_reduce=hsdp and draw(st.booleans()),
         hold_reshard=draw(st.booleans()),
         mark_last_backward=draw(st.booleans()),
+        recurse=draw(st.booleans()),
     )
     return chosen, draw(st.integers(2, 3))
 
@@ -154,18 +156,22 @@ def _resharding(
 ) -> Knobs:
     """``focused``: at least one control turned (explicit unshard when none was drawn)."""
     smaller = reshard_factors(shard_size(layout, mesh))
+    first_layer = draw(sampled((None, "stays_sharded", "unshards")))
     chosen = replace(
         chosen,
         reshard_to=draw(st.none() | sampled(smaller)) if smaller else None,
         explicit_unshard=draw(st.booleans()),
+        unshard_async=draw(st.booleans()),
         forward_prefetch=draw(_prefetch_plans(layers, forward=True)),
         backward_prefetch=draw(_prefetch_plans(layers, forward=False)),
         reset_reshard_after_forward=draw(st.none() | st.tuples(st.booleans(), st.booleans())),
-        first_layer_stays_sharded=draw(st.booleans()),
+        first_layer_stays_sharded=first_layer == "stays_sharded",
+        first_layer_unshards=first_layer == "unshards",
     )
     controls = (
         *(chosen.reshard_to, chosen.explicit_unshard, *chosen.forward_prefetch),
         *(chosen.reset_reshard_after_forward, chosen.first_layer_stays_sharded),
+        chosen.first_layer_unshards,
     )
     if focused and not any(controls) and not any(chosen.backward_prefetch):
         chosen = replace(chosen, explicit_unshard=True)
@@ -191,9 +197,12 @@ def _prefetch_plans(draw: st.DrawFn, layers: int, *, forward: bool) -> tuple[tup
 @st.composite
 def precisions(draw: st.DrawFn, layers: int) -> Precision:
     """A policy per Linear (bfloat16 or float32 compute), the root's (casting the inputs to
-    bfloat16, or nothing), float32 reduction, sometimes a float32 or bfloat16 output."""
+    bfloat16, or nothing, or bfloat16 with ``cast_forward_inputs=False``: the inputs then
+    reach the first Linear in their own dtype), float32 reduction, sometimes a float32 or
+    bfloat16 output."""
     return Precision(
         layer_dtypes=tuple(draw(sampled(PRECISION_DTYPES)) for _ in range(layers)),
         root_dtype=draw(sampled((None, "bfloat16"))),
         output_dtype=draw(sampled((None, *PRECISION_DTYPES))),
+        root_casts_inputs=draw(st.booleans()),
     )

@@ -141,10 +141,11 @@ def _mixed_precision_grads(
     """What FSDP's mixed-precision policies compute, on one device: each data-parallel
     rank's forward and backward of each micro-batch on a copy of the parameters, each Linear
     in its own compute dtype (casting its input to it), the model's inputs cast to the
-    root's dtype and its output to the root's output dtype; each micro-batch's gradients
-    cast to the reduce dtype and summed per rank, then summed across ranks and divided by
-    the divide factor (the data-parallel size by default) onto the parameters. Returns the
-    mean of the ranks' losses (as the driver averages the ranks' own)."""
+    root's dtype where it casts them (``cast_forward_inputs``) and its output to the root's
+    output dtype; each micro-batch's gradients cast to the reduce dtype and summed per
+    rank, then summed across ranks and divided by the divide factor (the data-parallel size
+    by default) onto the parameters. Returns the mean of the ranks' losses (as the driver
+    averages the ranks' own)."""
     precision = case.precision
     assert precision is not None
     device = next(model.parameters()).device
@@ -174,8 +175,8 @@ def _mixed_precision_grads(
 
 
 def _cast_forward(replica: nn.Module, precision: Precision, x: torch.Tensor) -> torch.Tensor:
-    if precision.root_dtype is not None:
-        x = x.to(torch_dtype(precision.root_dtype))
+    if precision.input_dtype is not None:
+        x = x.to(torch_dtype(precision.input_dtype))
     dtypes = iter(precision.layer_dtypes)
     for layer in replica.children():
         if isinstance(layer, nn.Linear):
