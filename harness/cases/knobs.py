@@ -112,10 +112,33 @@ class Knobs:
     sharding; None: none."""
     flatten: tuple[int, int] | None = None
     """fsdp: the 1-D mesh is this 2-D mesh flattened (``mesh._flatten()``)."""
+    reduce_scatter_unused: tuple[bool, bool] | None = None
+    """``set_reduce_scatter_unused_params(value, recurse=recurse)`` on the root, as
+    ``(value, recurse)`` (every parameter is used: nothing to add); None: not called."""
+    separate_reduce_scatter: tuple[bool, bool] | None = None
+    """``set_separate_reduce_scatter_group(enable, recurse=recurse)`` on the root, as
+    ``(enable, recurse)``: reduce-scatters on a process group of their own over the same
+    ranks; None: not called."""
+    custom_all_gather: bool | None = None
+    """``set_custom_all_gather`` on every module: a ``Comm`` forwarding to
+    ``all_gather_single``, its staging buffers zeroed (True) or left empty (False);
+    None: FSDP's own."""
+    custom_reduce_scatter: bool | None = None
+    """``set_custom_reduce_scatter``, likewise (``reduce_scatter_single``)."""
+    group_allocates: bool | None = None
+    """``set_allocate_memory_from_process_group_for_comm(value)`` on every module (torch
+    refuses it with custom collectives); None: not called."""
 
     def __post_init__(self) -> None:
         if self.forward_method is not None:
             check_one_of("forward_method", self.forward_method, FORWARD_METHODS)
+        custom = self.custom_all_gather is not None or self.custom_reduce_scatter is not None
+        require(
+            not (custom and self.group_allocates is not None),
+            "group_allocates",
+            self.group_allocates,
+            "None with custom collectives (torch allocates their buffers through them)",
+        )
         require(
             not (self.first_layer_stays_sharded and self.first_layer_unshards),
             "first_layer_unshards",

@@ -15,12 +15,14 @@ from harness.errors import check_one_of, check_subset
 from harness.strategies._common import factorisations, reshard_factors, sampled
 from harness.strategies.checkpointing import checkpointings
 
-KNOB_FAMILIES = ("divide_factor", "micro_batching", "resharding", "checkpoint")
+KNOB_FAMILIES = ("divide_factor", "micro_batching", "resharding", "checkpoint", "comms")
 """``divide_factor``: a gradient divide factor, sum-only collectives, HSDP's mesh flattened
 for fsdp; ``micro_batching``: 2-3 micro-batches with all-reduce, resharding and the last
 backward held or marked; ``resharding``: reshard to a smaller group, explicit unshard and
 prefetch plans (neighbours, or any other layers); ``checkpoint``: activation checkpointing
-of some Linears, through any of torch's APIs (``strategies.checkpointing``)."""
+of some Linears, through any of torch's APIs (``strategies.checkpointing``); ``comms``:
+reduce-scatter of unused parameters, a separate reduce-scatter group, custom collectives
+forwarding to torch's, or staging buffers from the process group."""
 
 
 def uses_premul_sum(knobs: Knobs, layout: str, mesh: tuple[int, ...], reduce_dtype: str) -> bool:
@@ -60,6 +62,7 @@ def draw_knobs(
     layers: int,
     premul_sum: bool = False,
     one_rank_shard: bool = False,
+    group_allocation: bool = False,
 ) -> tuple[Knobs, int]:
     """Knobs of ``families`` for ``layout`` on ``mesh``, each family sometimes turned and
     ``focus`` always; and the micro-batches per step (1 unless micro-batching is turned).
@@ -67,7 +70,8 @@ def draw_knobs(
     A divide factor is drawn with sum-only collectives where it would otherwise need
     PreMulSum (``uses_premul_sum``), unless ``premul_sum``, which draws exactly that path;
     and never where it ``divides_twice``, unless ``one_rank_shard``, which draws exactly
-    that path (on a mesh whose shard group has one rank)."""
+    that path (on a mesh whose shard group has one rank). Staging buffers from the process
+    group only with ``group_allocation`` (the World's group can allocate them)."""
     check_subset("families", families, KNOB_FAMILIES)
     check_one_of("layout", layout, FSDP_LAYOUTS)
     if focus is not None:
@@ -85,6 +89,8 @@ def draw_knobs(
         chosen = _resharding(draw, chosen, layout, mesh, layers, focused=focus == "resharding")
     if "checkpoint" in turned:
         chosen = chosen.with_checkpoint(draw(checkpointings(layers)))
+    if "comms" in turned:
+        chosen = _comms(draw, chosen, focused=focus == "comms", group_allocation=group_allocation)
     method = draw(st.none() | sampled(FORWARD_METHODS))
     return replace(chosen, keyword_input=draw(st.booleans()), forward_method=method), micro_batches
 
@@ -175,6 +181,32 @@ def _resharding(
     )
     if focused and not any(controls) and not any(chosen.backward_prefetch):
         chosen = replace(chosen, explicit_unshard=True)
+    return chosen
+
+
+def _comms(draw: st.DrawFn, chosen: Knobs, *, focused: bool, group_allocation: bool) -> Knobs:
+    """Each control sometimes; custom collectives or process-group buffers, never both
+    (torch refuses the pair), the latter turned on only with ``group_allocation`` (off:
+    FSDP's default buffers, said explicitly). ``focused``: at least one control set."""
+    pairs = st.none() | st.tuples(st.booleans(), st.booleans())
+    custom = draw(st.booleans())
+    zeroed = st.none() | st.booleans()
+    chosen = replace(
+        chosen,
+        reduce_scatter_unused=draw(pairs),
+        separate_reduce_scatter=draw(pairs),
+        custom_all_gather=draw(zeroed) if custom else None,
+        custom_reduce_scatter=draw(zeroed) if custom else None,
+        group_allocates=None
+        if custom
+        else draw(sampled((None, False, *(True,) * group_allocation))),
+    )
+    controls = (
+        *(chosen.reduce_scatter_unused, chosen.separate_reduce_scatter),
+        *(chosen.custom_all_gather, chosen.custom_reduce_scatter, chosen.group_allocates),
+    )
+    if focused and all(control is None for control in controls):
+        chosen = replace(chosen, reduce_scatter_unused=(True, True))
     return chosen
 
 

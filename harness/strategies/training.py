@@ -242,6 +242,7 @@ def parity_cases(
     optim_flags: bool = False,
     accelerator: bool = False,
     optimizers: Sequence[str] = CORE_OPTIMIZERS,
+    group_allocation: bool = False,
 ) -> st.SearchStrategy[ParityCase]:
     """A training run to compare under ``layout`` with one device.
 
@@ -267,6 +268,8 @@ def parity_cases(
     2.13 serves them (``capturable`` off the fused kernels only if ``accelerator``);
     ``accelerator=True`` (the World is on one) leaves out the fused kernels torch has on
     the CPU only. ``optimizers`` names the ``torch.optim`` optimizers to draw.
+    ``group_allocation=True`` (the World's process group allocates tensors) lets the
+    ``comms`` knobs draw staging buffers from the process group.
     """
     check_subset("optimizers", optimizers, OPTIMIZERS, non_empty=True)
     check_one_of("layout", layout, LAYOUTS)
@@ -291,6 +294,7 @@ def parity_cases(
         optim_flags=optim_flags,
         accelerator=accelerator,
         optimizers=tuple(optimizers),
+        group_allocation=group_allocation,
     )
 
 
@@ -311,6 +315,7 @@ def _parity_cases(
     optim_flags: bool,
     accelerator: bool,
     optimizers: tuple[str, ...],
+    group_allocation: bool,
 ) -> ParityCase:
     shard = "many" if premul_sum else ("one" if one_rank_shard else None)
     mesh = _layout_mesh(draw, world_size, layout, shard)
@@ -336,6 +341,7 @@ def _parity_cases(
             layers=n_layers,
             premul_sum=premul_sum,
             one_rank_shard=one_rank_shard,
+            group_allocation=group_allocation,
         )
         micro_batches = max(micro_batches, knob_micro)
     sync_each = micro_batches > 1 and (turned.hold_all_reduce or draw(st.booleans()))

@@ -17,6 +17,7 @@ from harness.cases.knobs import Knobs, Precision
 from harness.cases.training import ParityCase
 from harness.torchkit.checkpointing import checkpoint_layers
 from harness.torchkit.dtensor import torch_dtype
+from harness.torchkit.fsdp_comms import set_comm_knobs
 
 
 def checkpointed(model: nn.Sequential, knobs: Knobs) -> list[nn.Module]:
@@ -59,8 +60,10 @@ def _policy(dtype: str, precision: Precision) -> MixedPrecisionPolicy:
 
 
 def set_knobs(root: nn.Module, layers: list[nn.Module], knobs: Knobs) -> None:
-    """Every ``fully_shard`` module's gradient scaling, and the layers' prefetching."""
-    for module in _fsdp_modules(root):
+    """Every ``fully_shard`` module's gradient scaling and collectives, and the layers'
+    prefetching."""
+    modules = _fsdp_modules(root)
+    for module in modules:
         if knobs.divide_factor is not None:
             if knobs.deprecated_spelling:
                 with warnings.catch_warnings():
@@ -70,6 +73,7 @@ def set_knobs(root: nn.Module, layers: list[nn.Module], knobs: Knobs) -> None:
                 module.set_gradient_divide_factor(knobs.divide_factor)
         if knobs.force_sum_reduction is not None:
             module.set_force_sum_reduction_for_comms(knobs.force_sum_reduction)
+    set_comm_knobs(_as_fsdp(root), modules, knobs)
     sharded = [_as_fsdp(layer) for layer in layers]
     if knobs.reset_reshard_after_forward is not None:
         value, recurse = knobs.reset_reshard_after_forward
