@@ -1,14 +1,19 @@
 """The FSDP2 controls a case turns (``harness.cases.training.Knobs``) and its mixed-precision
-policies (``Precision``), applied to a model ``harness.torchkit.training`` shards."""
+policies (``Precision``), applied to a model ``harness.torchkit.training`` shards; the custom
+collectives a case sets (``Comm`` implementations forwarding to torch's collectives as FSDP's
+defaults do, so that training with them must be training without them)."""
 
 from __future__ import annotations
 
 import contextlib
 import types
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fsdp_forward_method
 from torch.nn.parallel import DistributedDataParallel
@@ -17,7 +22,7 @@ from harness.cases.knobs import Knobs, Precision
 from harness.cases.training import ParityCase
 from harness.torchkit.checkpointing import checkpoint_layers
 from harness.torchkit.dtensor import torch_dtype
-from harness.torchkit.fsdp_comms import set_comm_knobs
+from harness.torchkit.internals import fsdp_comm_interfaces
 
 
 def checkpointed(model: nn.Sequential, knobs: Knobs) -> list[nn.Module]:
@@ -158,3 +163,80 @@ def _fsdp_modules(root: nn.Module) -> list[FSDPModule]:
 def _as_fsdp(module: Any) -> FSDPModule:
     assert isinstance(module, FSDPModule), type(module)
     return module
+
+
+# --- custom collectives ----------------------------------------------------------------------
+_AllGather, _ReduceScatter = fsdp_comm_interfaces()
+
+
+def _staging(
+    size: Sequence[int | torch.SymInt], dtype: torch.dtype, device: torch.device, zeroed: bool
+) -> torch.Tensor:
+    make = torch.zeros if zeroed else torch.empty
+    return make(*size, dtype=dtype, device=device)
+
+
+@dataclass
+class ForwardingAllGather(_AllGather):  # type: ignore[misc,valid-type]  # torch ABC
+    """``all_gather_single`` into a buffer of its own allocating."""
+
+    zeroed: bool = False
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return _staging(size, dtype, device, self.zeroed)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> Any:
+        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+@dataclass
+class ForwardingReduceScatter(_ReduceScatter):  # type: ignore[misc,valid-type]  # torch ABC
+    """``reduce_scatter_single`` with the op FSDP chose, from a buffer of its own
+    allocating."""
+
+    zeroed: bool = False
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return _staging(size, dtype, device, self.zeroed)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any:
+        return dist.reduce_scatter_single(
+            output_tensor, input_tensor, op=op, group=group, async_op=async_op
+        )
+
+
+def set_comm_knobs(root: FSDPModule, modules: Sequence[FSDPModule], knobs: Knobs) -> None:
+    """The case's collective controls: reduce-scatter of unused parameters and a separate
+    reduce-scatter group set on the root (recursing or not), custom collectives or
+    process-group staging buffers on every module."""
+    if knobs.reduce_scatter_unused is not None:
+        value, recurse = knobs.reduce_scatter_unused
+        root.set_reduce_scatter_unused_params(value, recurse=recurse)
+    if knobs.separate_reduce_scatter is not None:
+        enable, recurse = knobs.separate_reduce_scatter
+        root.set_separate_reduce_scatter_group(enable, recurse=recurse)
+    for module in modules:
+        if knobs.group_allocates is not None:
+            module.set_allocate_memory_from_process_group_for_comm(knobs.group_allocates)
+        if knobs.custom_all_gather is not None:
+            module.set_custom_all_gather(ForwardingAllGather(zeroed=knobs.custom_all_gather))
+        if knobs.custom_reduce_scatter is not None:
+            zeroed = knobs.custom_reduce_scatter
+            module.set_custom_reduce_scatter(ForwardingReduceScatter(zeroed=zeroed))
