@@ -167,6 +167,7 @@ def _draw_case(
 def _check_knob(world: World, data: st.DataObject, focus: str) -> None:
     """A drawn training run with ``focus`` turned (and others sometimes) against one device."""
     options = {"variants": True, "knob_families": KNOB_FAMILIES, "focus": focus}
+    options["group_allocation"] = "process_group.allocate_tensor" not in world.lacks
     _check(world, _draw_case(world, data, _fsdp_layouts(world), **options))
 
 
@@ -187,6 +188,7 @@ def test_mixed_precision_matches_its_one_device_emulation(
         mixed_precision=True,
         variants=True,
         knob_families=KNOB_FAMILIES,
+        group_allocation="process_group.allocate_tensor" not in world.lacks,
     )
     parity.attach(case.call())
     reference = reference_run(case)

@@ -46,6 +46,12 @@ def test_knob_cases_are_valid_for_their_layout(world_size: int, data: st.DataObj
         assert size == 1 and reduce_dtype == "float64"
     if focus == "checkpoint":
         assert knobs.checkpoint is not None
+    custom = knobs.custom_all_gather is not None or knobs.custom_reduce_scatter is not None
+    assert not (custom and knobs.group_allocates is not None)
+    assert knobs.group_allocates is not True  # only where the World's group allocates
+    if focus == "comms":
+        comms = (knobs.reduce_scatter_unused, knobs.separate_reduce_scatter, knobs.group_allocates)
+        assert custom or any(control is not None for control in comms)
 
 
 @settings(max_examples=60)
@@ -166,3 +172,29 @@ def test_knobs_refuse_a_sharded_first_layer_that_checkpointing_recomputes():
     with pytest.raises(InvalidArgument, match="first_layer_stays_sharded=True must be False"):
         Knobs(first_layer_stays_sharded=True, checkpoint=Checkpointing(layers=(0, 1)))
     Knobs(first_layer_stays_sharded=True, checkpoint=Checkpointing(layers=(1,)))
+
+
+def test_knobs_refuse_two_unshard_in_backward_calls_and_unknown_forward_methods() -> None:
+    with pytest.raises(InvalidArgument, match="first_layer_unshards=True must be False"):
+        Knobs(first_layer_stays_sharded=True, first_layer_unshards=True)
+    with pytest.raises(InvalidArgument, match="forward_method='decode' must be one of"):
+        Knobs(forward_method="decode")
+    assert Knobs(force_sum_reduction=False).describe() == "force_sum_reduction=False"
+    assert Knobs().describe() == ""
+
+
+@settings(max_examples=40)
+@given(data=st.data())
+def test_process_group_buffers_are_drawn_where_the_group_allocates(data: st.DataObject) -> None:
+    case = data.draw(
+        parity_cases(
+            2, layout="fsdp", knob_families=("comms",), focus="comms", group_allocation=True
+        )
+    )
+    custom = case.knobs.custom_all_gather is not None or case.knobs.custom_reduce_scatter
+    assert not (custom and case.knobs.group_allocates is not None)
+
+
+def test_knobs_refuse_process_group_buffers_with_custom_collectives() -> None:
+    with pytest.raises(InvalidArgument, match="group_allocates=False must be None"):
+        Knobs(custom_all_gather=True, group_allocates=False)

@@ -9,18 +9,20 @@ from dataclasses import replace
 
 from hypothesis import strategies as st
 
-from harness.cases.knobs import PRECISION_DTYPES, Knobs, Precision
+from harness.cases.knobs import FORWARD_METHODS, PRECISION_DTYPES, Knobs, Precision
 from harness.cases.training import FSDP_LAYOUTS, data_parallel, shard_size
 from harness.errors import check_one_of, check_subset
 from harness.strategies._common import factorisations, reshard_factors, sampled
 from harness.strategies.checkpointing import checkpointings
 
-KNOB_FAMILIES = ("divide_factor", "micro_batching", "resharding", "checkpoint")
+KNOB_FAMILIES = ("divide_factor", "micro_batching", "resharding", "checkpoint", "comms")
 """``divide_factor``: a gradient divide factor, sum-only collectives, HSDP's mesh flattened
 for fsdp; ``micro_batching``: 2-3 micro-batches with all-reduce, resharding and the last
 backward held or marked; ``resharding``: reshard to a smaller group, explicit unshard and
 prefetch plans (neighbours, or any other layers); ``checkpoint``: activation checkpointing
-of some Linears, through any of torch's APIs (``strategies.checkpointing``)."""
+of some Linears, through any of torch's APIs (``strategies.checkpointing``); ``comms``:
+reduce-scatter of unused parameters, a separate reduce-scatter group, custom collectives
+forwarding to torch's, or staging buffers from the process group."""
 
 
 def uses_premul_sum(knobs: Knobs, layout: str, mesh: tuple[int, ...], reduce_dtype: str) -> bool:
@@ -60,6 +62,7 @@ def draw_knobs(
     layers: int,
     premul_sum: bool = False,
     one_rank_shard: bool = False,
+    group_allocation: bool = False,
 ) -> tuple[Knobs, int]:
     """Knobs of ``families`` for ``layout`` on ``mesh``, each family sometimes turned and
     ``focus`` always; and the micro-batches per step (1 unless micro-batching is turned).
@@ -67,7 +70,8 @@ def draw_knobs(
     A divide factor is drawn with sum-only collectives where it would otherwise need
     PreMulSum (``uses_premul_sum``), unless ``premul_sum``, which draws exactly that path;
     and never where it ``divides_twice``, unless ``one_rank_shard``, which draws exactly
-    that path (on a mesh whose shard group has one rank)."""
+    that path (on a mesh whose shard group has one rank). Staging buffers from the process
+    group only with ``group_allocation`` (the World's group can allocate them)."""
     check_subset("families", families, KNOB_FAMILIES)
     check_one_of("layout", layout, FSDP_LAYOUTS)
     if focus is not None:
@@ -85,7 +89,10 @@ def draw_knobs(
         chosen = _resharding(draw, chosen, layout, mesh, layers, focused=focus == "resharding")
     if "checkpoint" in turned:
         chosen = chosen.with_checkpoint(draw(checkpointings(layers)))
-    return replace(chosen, keyword_input=draw(st.booleans())), micro_batches
+    if "comms" in turned:
+        chosen = _comms(draw, chosen, focused=focus == "comms", group_allocation=group_allocation)
+    method = draw(st.none() | sampled(FORWARD_METHODS))
+    return replace(chosen, keyword_input=draw(st.booleans()), forward_method=method), micro_batches
 
 
 def _divide_factor(
@@ -104,7 +111,7 @@ def _divide_factor(
         chosen,
         divide_factor=draw(sampled(factors)),
         deprecated_spelling=draw(st.booleans()),
-        force_sum_reduction=not premul_sum and draw(st.booleans()),
+        force_sum_reduction=draw(sampled((None, False) if premul_sum else (None, False, True))),
     )
     if not premul_sum and uses_premul_sum(chosen, layout, mesh, reduce_dtype):
         chosen = replace(chosen, force_sum_reduction=True)
@@ -139,6 +146,7 @@ def _micro_batching(draw: st.DrawFn, chosen: Knobs, layout: str) -> tuple[Knobs,
         hold_all_reduce=hsdp and draw(st.booleans()),
         hold_reshard=draw(st.booleans()),
         mark_last_backward=draw(st.booleans()),
+        recurse=draw(st.booleans()),
     )
     return chosen, draw(st.integers(2, 3))
 
@@ -154,21 +162,51 @@ def _resharding(
 ) -> Knobs:
     """``focused``: at least one control turned (explicit unshard when none was drawn)."""
     smaller = reshard_factors(shard_size(layout, mesh))
+    first_layer = draw(sampled((None, "stays_sharded", "unshards")))
     chosen = replace(
         chosen,
         reshard_to=draw(st.none() | sampled(smaller)) if smaller else None,
         explicit_unshard=draw(st.booleans()),
+        unshard_async=draw(st.booleans()),
         forward_prefetch=draw(_prefetch_plans(layers, forward=True)),
         backward_prefetch=draw(_prefetch_plans(layers, forward=False)),
         reset_reshard_after_forward=draw(st.none() | st.tuples(st.booleans(), st.booleans())),
-        first_layer_stays_sharded=draw(st.booleans()),
+        first_layer_stays_sharded=first_layer == "stays_sharded",
+        first_layer_unshards=first_layer == "unshards",
     )
     controls = (
         *(chosen.reshard_to, chosen.explicit_unshard, *chosen.forward_prefetch),
         *(chosen.reset_reshard_after_forward, chosen.first_layer_stays_sharded),
+        chosen.first_layer_unshards,
     )
     if focused and not any(controls) and not any(chosen.backward_prefetch):
         chosen = replace(chosen, explicit_unshard=True)
+    return chosen
+
+
+def _comms(draw: st.DrawFn, chosen: Knobs, *, focused: bool, group_allocation: bool) -> Knobs:
+    """Each control sometimes; custom collectives or process-group buffers, never both
+    (torch refuses the pair), the latter turned on only with ``group_allocation`` (off:
+    FSDP's default buffers, said explicitly). ``focused``: at least one control set."""
+    pairs = st.none() | st.tuples(st.booleans(), st.booleans())
+    custom = draw(st.booleans())
+    zeroed = st.none() | st.booleans()
+    chosen = replace(
+        chosen,
+        reduce_scatter_unused=draw(pairs),
+        separate_reduce_scatter=draw(pairs),
+        custom_all_gather=draw(zeroed) if custom else None,
+        custom_reduce_scatter=draw(zeroed) if custom else None,
+        group_allocates=None
+        if custom
+        else draw(sampled((None, False, *(True,) * group_allocation))),
+    )
+    controls = (
+        *(chosen.reduce_scatter_unused, chosen.separate_reduce_scatter),
+        *(chosen.custom_all_gather, chosen.custom_reduce_scatter, chosen.group_allocates),
+    )
+    if focused and all(control is None for control in controls):
+        chosen = replace(chosen, reduce_scatter_unused=(True, True))
     return chosen
 
 
@@ -191,9 +229,12 @@ def _prefetch_plans(draw: st.DrawFn, layers: int, *, forward: bool) -> tuple[tup
 @st.composite
 def precisions(draw: st.DrawFn, layers: int) -> Precision:
     """A policy per Linear (bfloat16 or float32 compute), the root's (casting the inputs to
-    bfloat16, or nothing), float32 reduction, sometimes a float32 or bfloat16 output."""
+    bfloat16, or nothing, or bfloat16 with ``cast_forward_inputs=False``: the inputs then
+    reach the first Linear in their own dtype), float32 reduction, sometimes a float32 or
+    bfloat16 output."""
     return Precision(
         layer_dtypes=tuple(draw(sampled(PRECISION_DTYPES)) for _ in range(layers)),
         root_dtype=draw(sampled((None, "bfloat16"))),
         output_dtype=draw(sampled((None, *PRECISION_DTYPES))),
+        root_casts_inputs=draw(st.booleans()),
     )

@@ -243,6 +243,7 @@ def parity_cases(
     accelerator: bool = False,
     optimizers: Sequence[str] = CORE_OPTIMIZERS,
     ddp_controls: bool = False,
+    group_allocation: bool = False,
 ) -> st.SearchStrategy[ParityCase]:
     """A training run to compare under ``layout`` with one device.
 
@@ -271,6 +272,8 @@ def parity_cases(
     ``ddp_controls=True`` (ddp, zero, with ``variants``) also draws DDP's options of how it
     starts and synchronises (``strategies.ddp``) and a process group as the comm hook's
     state.
+    ``group_allocation=True`` (the World's process group allocates tensors) lets the
+    ``comms`` knobs draw staging buffers from the process group.
     """
     check_subset("optimizers", optimizers, OPTIMIZERS, non_empty=True)
     check_one_of("layout", layout, LAYOUTS)
@@ -296,6 +299,7 @@ def parity_cases(
         accelerator=accelerator,
         optimizers=tuple(optimizers),
         ddp_controls=ddp_controls,
+        group_allocation=group_allocation,
     )
 
 
@@ -317,6 +321,7 @@ def _parity_cases(
     accelerator: bool,
     optimizers: tuple[str, ...],
     ddp_controls: bool,
+    group_allocation: bool,
 ) -> ParityCase:
     shard = "many" if premul_sum else ("one" if one_rank_shard else None)
     mesh = _layout_mesh(draw, world_size, layout, shard)
@@ -342,6 +347,7 @@ def _parity_cases(
             layers=n_layers,
             premul_sum=premul_sum,
             one_rank_shard=one_rank_shard,
+            group_allocation=group_allocation,
         )
         micro_batches = max(micro_batches, knob_micro)
     sync_each = micro_batches > 1 and (turned.hold_all_reduce or draw(st.booleans()))

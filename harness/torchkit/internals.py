@@ -91,6 +91,14 @@ def _attr(obj: Any, name: str, where: str) -> Any:
     return getattr(obj, name)
 
 
+def fsdp_comm_interfaces() -> tuple[Any, Any]:
+    """``AllGather`` and ``ReduceScatter``: the interfaces ``FSDPModule.set_custom_all_gather``
+    and ``set_custom_reduce_scatter`` document, which torch.distributed.fsdp does not export."""
+    api = _fsdp_module("_fsdp_api")
+    where = "torch.distributed.fsdp._fully_shard._fsdp_api"
+    return _attr(api, "AllGather", where), _attr(api, "ReduceScatter", where)
+
+
 def fsdp_managed_modules(roots: tuple[Any, ...]) -> list[Any]:
     """``_get_managed_modules(roots)``: the modules a ``fully_shard(roots)`` would manage."""
     return list(_attr(_fsdp_module("_fsdp_init"), "_get_managed_modules", "_fsdp_init")(roots))

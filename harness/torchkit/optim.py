@@ -141,21 +141,25 @@ def _mixed_precision_grads(
     """What FSDP's mixed-precision policies compute, on one device: each data-parallel
     rank's forward and backward of each micro-batch on a copy of the parameters, each Linear
     in its own compute dtype (casting its input to it), the model's inputs cast to the
-    root's dtype and its output to the root's output dtype; each micro-batch's gradients
-    cast to the reduce dtype and summed per rank, then summed across ranks and divided by
-    the divide factor (the data-parallel size by default) onto the parameters. Returns the
-    mean of the ranks' losses (as the driver averages the ranks' own)."""
+    root's dtype where it casts them (``cast_forward_inputs``) and its output to the root's
+    output dtype; each micro-batch's gradients cast to the reduce dtype, then reduced as
+    FSDP reduces them: summed across ranks and divided by the divide factor (the
+    data-parallel size by default) after each micro-batch where the Linears sync each
+    (``reduces_each_micro_batch``) and accumulated, else accumulated per rank and reduced
+    once, onto the parameters. Returns the mean of the ranks' losses (as the driver averages
+    the ranks' own)."""
     precision = case.precision
     assert precision is not None
     device = next(model.parameters()).device
     reduce_dtype = torch_dtype(precision.reduce_dtype)
-    total: torch.Tensor | None = None
+    per_rank: list[list[torch.Tensor]] = []
     losses = []
     for dp_rank in range(case.data_parallel):
         replica = build(case, device)
         replica.load_state_dict(model.state_dict())
         rows = rows_of(case, dp_rank)
         loss_sum = 0.0
+        per_rank.append([])
         parts = np.array_split(np.arange(rows.start, rows.stop), case.micro_batches)
         for part in parts:
             x = tensor_from(inputs[part], case.dtype, device)
@@ -163,19 +167,35 @@ def _mixed_precision_grads(
             loss = loss_of(output, tensor_from(targets[part], case.dtype, device)) / len(parts)
             loss.backward()  # type: ignore[no-untyped-call]
             grads = torch.cat([p.grad.to(reduce_dtype).flatten() for p in replica.parameters()])  # type: ignore[union-attr]
-            total = grads if total is None else total + grads
+            per_rank[-1].append(grads)
             replica.zero_grad(set_to_none=True)
             loss_sum += loss.item()
         losses.append(loss_sum)
-    assert total is not None
-    # FSDP divides the sum once, by the divide factor where one is set
-    _set_flat_grads(model, total / (case.knobs.divide_factor or case.data_parallel))
+    factor = case.knobs.divide_factor or case.data_parallel
+    if reduces_each_micro_batch(case):
+        reduced = [_summed(list(micro)) / factor for micro in zip(*per_rank, strict=True)]
+        _set_flat_grads(model, _summed(reduced))
+    else:
+        _set_flat_grads(model, _summed([_summed(grads) for grads in per_rank]) / factor)
     return sum(losses) / len(losses)
 
 
+def reduces_each_micro_batch(case: ParityCase) -> bool:
+    """Whether fully_shard's Linears reduce-scatter after every micro-batch: the case syncs
+    each, or holds the sync with ``recurse=False`` (on the root's own group only)."""
+    return case.micro_batches > 1 and (case.sync_each_micro_batch or not case.knobs.recurse)
+
+
+def _summed(tensors: list[torch.Tensor]) -> torch.Tensor:
+    total = tensors[0]
+    for tensor in tensors[1:]:
+        total = total + tensor
+    return total
+
+
 def _cast_forward(replica: nn.Module, precision: Precision, x: torch.Tensor) -> torch.Tensor:
-    if precision.root_dtype is not None:
-        x = x.to(torch_dtype(precision.root_dtype))
+    if precision.input_dtype is not None:
+        x = x.to(torch_dtype(precision.input_dtype))
     dtypes = iter(precision.layer_dtypes)
     for layer in replica.children():
         if isinstance(layer, nn.Linear):

@@ -30,8 +30,10 @@ from harness.torchkit.context import RankContext
 from harness.torchkit.ddp import ddp_kwargs
 from harness.torchkit.dtensor import full_array, tensor_from
 from harness.torchkit.fsdp_knobs import (
+    add_forward_method,
     after_step,
     checkpointed,
+    forward_of,
     layer_policies,
     micro_batch,
     root_policy,
@@ -100,7 +102,8 @@ def train_step(
         with micro_batch(wrapped, case, last=number == len(parts) - 1):
             # equal parts: the mean of the parts' means is the mean over the rows
             x = tensor_from(inputs[part], case.dtype, device)
-            output = wrapped(input=x) if case.knobs.keyword_input else wrapped(x)
+            forward = forward_of(wrapped, case.knobs)
+            output = forward(input=x) if case.knobs.keyword_input else forward(x)
             loss = loss_of(output, tensor_from(targets[part], case.dtype, device)) / len(parts)
             loss.backward()  # type: ignore[no-untyped-call]
         total += loss.item()
@@ -173,6 +176,7 @@ def _fully_shard(
     if case.knobs.reshard_to is not None:
         options["reshard_after_forward"] = case.knobs.reshard_to
     layers = checkpointed(model, case.knobs)
+    add_forward_method(model, case.knobs)
     for layer, policy in zip(layers, layer_policies(case, len(layers)), strict=True):
         fully_shard(layer, mesh=mesh, mp_policy=policy, **options)
     fully_shard(model, mesh=mesh, mp_policy=root_policy(case), **options)
