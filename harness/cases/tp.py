@@ -23,6 +23,10 @@ class TPCase:
 
     sequence_parallel: bool
     training: ParityCase
+    local_output: bool = True
+    """``RowwiseParallel(use_local_output=...)``: False leaves the model's output a DTensor
+    (Replicate, or Shard(0) under sequence parallelism), which the loss receives with a
+    DTensor target of the same layout."""
 
     def __post_init__(self) -> None:
         check_one_of("training.layout", self.training.layout, ("fsdp_tp",))
@@ -41,8 +45,10 @@ class TPCase:
     def call(self) -> str:
         t = self.training
         plan = "sequence-parallel " if self.sequence_parallel else ""
+        rowwise = "" if self.local_output else "(use_local_output=False)"
         return (
-            f"{plan}Colwise/Rowwise TP over {self.tp} rank(s), MLP{t.dims} bias={t.bias} "
+            f"{plan}Colwise/Rowwise{rowwise} TP over {self.tp} rank(s), MLP{t.dims} "
+            f"bias={t.bias} "
             f"{t.dtype}, batch {t.batch_per_rank}, {t.steps} step(s) of {t.optim.describe()}"
         )
 

@@ -65,7 +65,7 @@ def _tp_cases(
         batch_per_rank=rows,
         bias=training.bias or hidden == "one",
     )
-    return TPCase(sequence_parallel=sp, training=training)
+    return TPCase(sequence_parallel=sp, training=training, local_output=draw(st.booleans()))
 
 
 @takes_world_size

@@ -56,13 +56,31 @@ class TPTrace:
     counts: dict[CountKey, int] = field(default_factory=dict)
 
 
-def _plan(sequence_parallel: bool) -> dict[str, Any]:
-    if sequence_parallel:
+def _plan(case: TPCase) -> dict[str, Any]:
+    local = case.local_output
+    if case.sequence_parallel:
         return {
             "0": ColwiseParallel(input_layouts=Shard(0)),
-            "2": RowwiseParallel(output_layouts=Shard(0)),
+            "2": RowwiseParallel(output_layouts=Shard(0), use_local_output=local),
         }
-    return {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    return {"0": ColwiseParallel(), "2": RowwiseParallel(use_local_output=local)}
+
+
+def _local_rows(output: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of the output (a DTensor output's local piece)."""
+    return output.to_local() if isinstance(output, DTensor) else output
+
+
+def _rank_loss(case: TPCase, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """This rank's share of the loss over the global batch. A DTensor output meets a DTensor
+    target of its layout (made from this rank's rows, no collective): the loss is then the
+    global mean itself. Under sequence parallelism a local output's mean over its rows is
+    tp times its share of the global mean."""
+    if isinstance(output, DTensor):
+        target = DTensor.from_local(targets, output.device_mesh, output.placements)
+        return loss_of(output, target)
+    share = case.tp if case.sequence_parallel else 1
+    return loss_of(output, targets) / share
 
 
 def _rows(case: TPCase, rank: int) -> slice:
@@ -76,22 +94,19 @@ def _rows(case: TPCase, rank: int) -> slice:
 def tp_train_on_rank(ctx: RankContext, case: TPCase) -> TPTrace:
     t = case.training
     model = build_mlp(t, ctx.device)
-    parallelize_module(model, ctx.mesh((ctx.world_size,)), _plan(case.sequence_parallel))
+    parallelize_module(model, ctx.mesh((ctx.world_size,)), _plan(case))
     optimizer = build_optimizer(t.optim, param_groups(model, t.optim))
     scheduler = build_scheduler(t.optim, optimizer)
     rows = _rows(case, ctx.rank)
-    # Under sequence parallelism each rank's loss is the mean over its rows: a tp-th of
-    # it is its share of the mean over the global batch.
-    share = case.tp if case.sequence_parallel else 1
     outputs, grads, counts = [], {}, {}
     for step in range(t.steps):
         inputs, targets = step_batch(t, step)
         optimizer.zero_grad()
         with counting() as seen:
             output = model(tensor_from(inputs[rows], t.dtype, ctx.device))
-            loss = loss_of(output, tensor_from(targets[rows], t.dtype, ctx.device)) / share
-            loss.backward()
-        outputs.append(to_numpy(output))
+            target = tensor_from(targets[rows], t.dtype, ctx.device)
+            _rank_loss(case, output, target).backward()
+        outputs.append(to_numpy(_local_rows(output)))
         if step == 0:
             grads = {
                 n: full_array(p.grad) for n, p in model.named_parameters() if p.grad is not None
@@ -130,9 +145,10 @@ def tp_inference_on_rank(ctx: RankContext, case: TPCase) -> np.ndarray:
     t = case.training
     with torch.inference_mode():
         model = build_mlp(t, ctx.device)
-        parallelize_module(model, ctx.mesh((ctx.world_size,)), _plan(case.sequence_parallel))
+        parallelize_module(model, ctx.mesh((ctx.world_size,)), _plan(case))
         inputs, _ = step_batch(t, 0)
-        return to_numpy(model(tensor_from(inputs[_rows(case, ctx.rank)], t.dtype, ctx.device)))
+        output = model(tensor_from(inputs[_rows(case, ctx.rank)], t.dtype, ctx.device))
+        return to_numpy(_local_rows(output))
 
 
 def reference_output(case: TPCase) -> np.ndarray:
