@@ -250,3 +250,170 @@ class TransformerCase:
             f"{self.dtype}, tokens ({self.batch}, {self.seq_len}), {self.steps} step(s) of "
             f"Adam(lr={self.lr}, eps={self.eps}, foreach={self.foreach}){frozen}"
         )
+
+
+PREPARE_STYLES = ("input", "output", "input_output")
+"""``PrepareModuleInput``, ``PrepareModuleOutput``, ``PrepareModuleInputOutput``."""
+
+Layout = Placement | None
+"""A placement a prepare style is given for one tensor; None: the tensor is left as it is."""
+
+
+@dataclass(frozen=True)
+class TensorState:
+    """How a tensor reaches a rank: as a DTensor of ``placement`` or as this rank's local
+    piece under it (the whole tensor for ``Replicate``)."""
+
+    placement: Placement
+    dtensor: bool
+
+
+@dataclass(frozen=True)
+class PrepareCase:
+    """``SquareEach`` (``forward(x, *, y=None)``: ``x * x + x``, and ``y * y`` when ``y`` is
+    given) under one prepare style over ``tp`` ranks, fed by every rank with its piece of
+    the seeded global ``x`` (and ``y``) of ``shape`` under ``input_layout`` (``kwarg_layouts``'
+    first), the whole tensor where that is None.
+
+    ``input`` and ``input_output`` convert the inputs (``desired_input_layout``,
+    ``use_local_input``, ``kwarg_layouts``: ``y``'s (given, desired) or None for none);
+    ``output`` and ``input_output`` convert the outputs (one layout per output, None to
+    leave one as it is; a local output's is the layout it has, so it is declared as it is).
+    ``bare``: a single placement given as itself rather than as a one-tuple."""
+
+    style: str
+    tp: int
+    shape: tuple[int, ...]
+    keyword: bool
+    input_layout: Layout
+    desired_input_layout: Layout
+    kwarg_layouts: tuple[Placement, Placement] | None
+    use_local_input: bool
+    output_layouts: tuple[Layout, ...]
+    desired_output_layouts: tuple[Placement, ...]
+    use_local_output: bool
+    bare: bool
+    named_mesh: bool
+    """The mesh is the ``tp`` axis of a named (1, tp) mesh (``mesh["tp"]``), else a 1-D one."""
+    dtype: str
+    seed: int
+
+    def __post_init__(self) -> None:
+        check_one_of("style", self.style, PREPARE_STYLES)
+        for dim in self.shape:
+            require(dim % self.tp == 0, "shape", self.shape, f"dims that tp={self.tp} divides")
+        converts_inputs = self.style != "output"
+        converts_outputs = self.style != "input"
+        if not converts_inputs:
+            unused = self.desired_input_layout != self.input_layout or self.use_local_input
+            require(not unused, "style", self.style, "with inputs left as each rank feeds them")
+        both = (self.input_layout is None) == (self.desired_input_layout is None)
+        require(both, "desired_input_layout", self.desired_input_layout, "None with input_layout")
+        kwargs = self.keyword or self.kwarg_layouts is None
+        require(kwargs, "kwarg_layouts", self.kwarg_layouts, "None without a keyword input")
+        outputs = 2 if self.keyword else 1
+        given = len(self.output_layouts) if converts_outputs else outputs
+        require(given == outputs, "output_layouts", self.output_layouts, f"{outputs} layout(s)")
+        paired = len(self.desired_output_layouts) == len(self.output_layouts)
+        expected = "one per output layout"
+        require(paired, "desired_output_layouts", self.desired_output_layouts, expected)
+        for layout, state in zip(self.output_layouts, self.module_outputs(), strict=False):
+            declared = layout is None or layout == state.placement
+            require(declared, "output_layouts", self.output_layouts, "the outputs' own layouts")
+
+    def fed(self) -> tuple[Placement, ...]:
+        """The layout each rank feeds ``x`` (and ``y``) in."""
+        y = () if not self.keyword else (self._given(self.kwarg_layouts),)
+        return (self.input_layout or Replicate(), *y)
+
+    @staticmethod
+    def _given(layouts: tuple[Placement, Placement] | None) -> Placement:
+        return Replicate() if layouts is None else layouts[0]
+
+    def module_inputs(self) -> tuple[TensorState, ...]:
+        """What the module receives for ``x`` (and ``y``)."""
+        if self.style == "output":
+            return tuple(TensorState(fed, False) for fed in self.fed())
+        states = [self._prepared(self.input_layout, self.desired_input_layout)]
+        if self.keyword:
+            given, desired = self.kwarg_layouts or (None, None)
+            states.append(self._prepared(given, desired))
+        return tuple(states)
+
+    def _prepared(self, given: Layout, desired: Layout) -> TensorState:
+        if given is None or desired is None:
+            return TensorState(given or Replicate(), False)
+        return TensorState(desired, not self.use_local_input)
+
+    def module_outputs(self) -> tuple[TensorState, ...]:
+        """``x * x + x`` (and ``y * y``): elementwise, each keeps its input's layout."""
+        return self.module_inputs()
+
+    def results(self) -> tuple[TensorState, ...]:
+        """What the forward hands back, per output."""
+        outputs = self.module_outputs()
+        if self.style == "input":
+            return outputs
+        return tuple(
+            state if layout is None else TensorState(desired, not self.use_local_output)
+            for state, layout, desired in zip(
+                outputs, self.output_layouts, self.desired_output_layouts, strict=True
+            )
+        )
+
+    def call(self) -> str:
+        return (
+            f"parallelize_module(SquareEach(), {self._mesh()}, {self.style_call()}); "
+            f"forward({self._inputs()}) over {self.tp} rank(s), {self.dtype}"
+        )
+
+    def _mesh(self) -> str:
+        if self.named_mesh:
+            return f"mesh((1, {self.tp}), ('dp', 'tp'))['tp']"
+        return f"mesh(({self.tp},))"
+
+    def _inputs(self) -> str:
+        fed = [f"x {self.shape} {_fed(self.input_layout)}"]
+        if self.keyword:
+            given = self.kwarg_layouts[0] if self.kwarg_layouts else None
+            fed.append(f"y={self.shape} {_fed(given)}")
+        return ", ".join(fed)
+
+    def style_call(self) -> str:
+        """The style as it is constructed."""
+        options = []
+        if self.style != "output":
+            options += self._input_options()
+        if self.style != "input":
+            options.append(f"output_layouts={self._layouts(self.output_layouts)}")
+            options.append(f"desired_output_layouts={self._layouts(self.desired_output_layouts)}")
+            options.append(f"use_local_output={self.use_local_output}")
+        name = {"input": "PrepareModuleInput", "output": "PrepareModuleOutput"}
+        return f"{name.get(self.style, 'PrepareModuleInputOutput')}({', '.join(options)})"
+
+    def _input_options(self) -> list[str]:
+        options = [
+            f"input_layouts={self._layouts((self.input_layout,))}",
+            f"desired_input_layouts={self._layouts((self.desired_input_layout,))}",
+        ]
+        if self.kwarg_layouts is not None:
+            given, desired = self.kwarg_layouts
+            options.append(f"input_kwarg_layouts={{'y': {_spelled(given)}}}")
+            options.append(f"desired_input_kwarg_layouts={{'y': {_spelled(desired)}}}")
+        local = "use_local_output" if self.style == "input" else "use_local_input"
+        return [*options, f"{local}={self.use_local_input}"]
+
+    def _layouts(self, layouts: tuple[Layout, ...]) -> str:
+        if self.bare and len(layouts) == 1 and layouts[0] is not None:
+            return _spelled(layouts[0])
+        return f"({', '.join(_spelled(p) for p in layouts)}{',' if len(layouts) == 1 else ''})"
+
+
+def _spelled(layout: Layout) -> str:
+    if layout is None:
+        return "None"
+    return f"Shard({layout.dim})" if isinstance(layout, Shard) else "Replicate()"
+
+
+def _fed(layout: Layout) -> str:
+    return "whole" if layout is None else f"as {_spelled(layout)}"

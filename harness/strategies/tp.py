@@ -8,11 +8,20 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from harness.cases.tp import LossCase, TiedCase, TPCase, TransformerCase, transformer_param_names
+from harness.cases.tp import (
+    PREPARE_STYLES,
+    LossCase,
+    PrepareCase,
+    TiedCase,
+    TPCase,
+    TransformerCase,
+    transformer_param_names,
+)
 from harness.errors import check_int, check_one_of, require
 from harness.strategies._common import factorisations, sampled, seeds, takes_world_size
 from harness.strategies.training import DTENSOR_UNSUPPORTED, parity_cases
 from specs.chunking import shard_sizes
+from specs.placements import Placement, Replicate, Shard
 
 HIDDEN_KINDS = ("even", "uneven", "one")
 CLASS_KINDS = ("nonempty", "empty")
@@ -222,4 +231,53 @@ def _plan_options(sp: bool) -> st.SearchStrategy[dict[str, Any]]:
             "prepare_input_output": sp_only,
             "src_data_rank": sampled((0, None)),
         }
+    )
+
+
+@cache
+def _placements(ndim: int) -> st.SearchStrategy[Placement]:
+    """Replicate, or Shard of any dim of an ``ndim``-D tensor, negative spellings too."""
+    shards = [Shard(d) for d in range(-ndim, ndim)]
+    return sampled((Replicate(), *shards))
+
+
+@takes_world_size
+@st.composite
+def prepare_cases(draw: st.DrawFn, world_size: int) -> PrepareCase:
+    """A prepare style with drawn layouts around ``SquareEach``: every dim splits evenly
+    over the ranks (a local input is made a DTensor without its global shape, which
+    assumes even pieces); a local output's layout is declared as the one it has (or
+    None), the desired ones anything."""
+    style = draw(sampled(PREPARE_STYLES))
+    shape = tuple(world_size * draw(st.integers(1, 2)) for _ in range(draw(st.integers(1, 3))))
+    placements = _placements(len(shape))
+    converts = style != "output"
+    given = draw(st.none() | placements)
+    keyword = draw(st.booleans())
+    left = () if style == "input" else (None, None)[: 1 + keyword]  # replaced below
+    case = PrepareCase(
+        style=style,
+        tp=world_size,
+        shape=shape,
+        keyword=keyword,
+        input_layout=given,
+        desired_input_layout=draw(placements) if converts and given is not None else given,
+        kwarg_layouts=draw(st.none() | st.tuples(placements, placements)) if keyword else None,
+        use_local_input=converts and draw(st.booleans()),
+        output_layouts=left,
+        desired_output_layouts=tuple(Replicate() for _ in left),
+        use_local_output=False,
+        bare=draw(st.booleans()),
+        named_mesh=draw(st.booleans()),
+        dtype=draw(sampled(("float64", "float32"))),
+        seed=draw(seeds()),
+    )
+    if style == "input":
+        return case
+    outputs = case.module_outputs()
+    return dataclasses.replace(
+        case,
+        output_layouts=tuple(draw(st.sampled_from((None, o.placement))) for o in outputs),
+        desired_output_layouts=tuple(draw(placements) for _ in outputs),
+        use_local_output=draw(st.booleans()),
     )
