@@ -158,8 +158,11 @@ def transformer_param_names(n_layers: int, weight_tying: bool) -> tuple[str, ...
     return tuple(names)
 
 
+SEQUENCE_DIMS = (None, 1, -2)
+"""How a ``TransformerCase`` spells ``SequenceParallel``'s sequence dim (None: not at all)."""
+
 PLAN_OPTIONS = (
-    *("wildcard_plan", "sharded_head", "norm_local_output", "explicit_sequence_dim"),
+    *("wildcard_plan", "sharded_head", "norm_local_output", "sequence_dim"),
     *("prepare_input_output", "src_data_rank"),
 )
 """The ways of spelling the tensor-parallel plan a ``TransformerCase`` draws (its fields)."""
@@ -199,8 +202,10 @@ class TransformerCase:
     norm_local_output: bool = False
     """Under sequence parallelism, the norms hand on local tensors
     (``SequenceParallel(use_local_output=True)``)."""
-    explicit_sequence_dim: bool = False
-    """Under sequence parallelism, ``SequenceParallel(sequence_dim=1)`` spelled out."""
+    sequence_dim: int | None = None
+    """Under sequence parallelism, ``SequenceParallel(sequence_dim=...)`` spelled out: 1, or
+    -2, the same dim of the (batch, seq, dim) residual stream counted from the end; None
+    leaves torch's default (1)."""
     prepare_input_output: bool = False
     """Under sequence parallelism, the attention's input prepared by
     ``PrepareModuleInputOutput`` (its output declared as the row-wise output it is) instead
@@ -219,10 +224,13 @@ class TransformerCase:
         if self.trainable is not None:
             names = transformer_param_names(self.n_layers, self.weight_tying)
             check_subset("trainable", self.trainable, names)
-        sp_only = ("norm_local_output", "explicit_sequence_dim", "prepare_input_output")
+        sp_only = ("norm_local_output", "prepare_input_output")
         for name in sp_only:
             turned = getattr(self, name)
             require(self.sequence_parallel or not turned, name, turned, "False without SP")
+        check_one_of("sequence_dim", self.sequence_dim, SEQUENCE_DIMS)
+        spelled = self.sequence_parallel or self.sequence_dim is None
+        require(spelled, "sequence_dim", self.sequence_dim, "None without SP")
         check_one_of("src_data_rank", self.src_data_rank, (0, None))
 
     @property
@@ -252,8 +260,10 @@ class TransformerCase:
         )
 
 
-PREPARE_STYLES = ("input", "output", "input_output")
-"""``PrepareModuleInput``, ``PrepareModuleOutput``, ``PrepareModuleInputOutput``."""
+PREPARE_STYLES = ("input", "output", "input_output", "sequence")
+"""``PrepareModuleInput``, ``PrepareModuleOutput``, ``PrepareModuleInputOutput``, and
+``SequenceParallel`` (which prepares its module's one input as ``Shard(sequence_dim)``)."""
+CONVERTS_OUTPUTS = ("output", "input_output")
 
 Layout = Placement | None
 """A placement a prepare style is given for one tensor; None: the tensor is left as it is."""
@@ -279,6 +289,8 @@ class PrepareCase:
     ``use_local_input``, ``kwarg_layouts``: ``y``'s (given, desired) or None for none);
     ``output`` and ``input_output`` convert the outputs (one layout per output, None to
     leave one as it is; a local output's is the layout it has, so it is declared as it is).
+    ``sequence``: ``SequenceParallel(sequence_dim=input_layout.dim,
+    use_local_output=use_local_input)``, each rank feeding its piece of ``x`` along that dim.
     ``bare``: a single placement given as itself rather than as a one-tuple."""
 
     style: str
@@ -303,7 +315,13 @@ class PrepareCase:
         for dim in self.shape:
             require(dim % self.tp == 0, "shape", self.shape, f"dims that tp={self.tp} divides")
         converts_inputs = self.style != "output"
-        converts_outputs = self.style != "input"
+        converts_outputs = self.style in CONVERTS_OUTPUTS
+        if self.style == "sequence":
+            sequence = isinstance(self.input_layout, Shard) and not self.keyword
+            expected = "Shard(sequence_dim) and no keyword input for SequenceParallel"
+            require(sequence, "input_layout", self.input_layout, expected)
+            same = self.desired_input_layout == self.input_layout
+            require(same, "desired_input_layout", self.desired_input_layout, "the input_layout")
         if not converts_inputs:
             unused = self.desired_input_layout != self.input_layout or self.use_local_input
             require(not unused, "style", self.style, "with inputs left as each rank feeds them")
@@ -352,7 +370,7 @@ class PrepareCase:
     def results(self) -> tuple[TensorState, ...]:
         """What the forward hands back, per output."""
         outputs = self.module_outputs()
-        if self.style == "input":
+        if self.style not in CONVERTS_OUTPUTS:
             return outputs
         return tuple(
             state if layout is None else TensorState(desired, not self.use_local_output)
@@ -381,10 +399,14 @@ class PrepareCase:
 
     def style_call(self) -> str:
         """The style as it is constructed."""
+        if self.style == "sequence":
+            assert isinstance(self.input_layout, Shard)
+            dim, local = self.input_layout.dim, self.use_local_input
+            return f"SequenceParallel(sequence_dim={dim}, use_local_output={local})"
         options = []
         if self.style != "output":
             options += self._input_options()
-        if self.style != "input":
+        if self.style in CONVERTS_OUTPUTS:
             options.append(f"output_layouts={self._layouts(self.output_layouts)}")
             options.append(f"desired_output_layouts={self._layouts(self.desired_output_layouts)}")
             options.append(f"use_local_output={self.use_local_output}")

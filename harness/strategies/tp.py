@@ -9,7 +9,9 @@ from typing import Any
 from hypothesis import strategies as st
 
 from harness.cases.tp import (
+    CONVERTS_OUTPUTS,
     PREPARE_STYLES,
+    SEQUENCE_DIMS,
     LossCase,
     PrepareCase,
     TiedCase,
@@ -227,7 +229,7 @@ def _plan_options(sp: bool) -> st.SearchStrategy[dict[str, Any]]:
             "wildcard_plan": st.booleans(),
             "sharded_head": st.booleans(),
             "norm_local_output": sp_only,
-            "explicit_sequence_dim": sp_only,
+            "sequence_dim": sampled(SEQUENCE_DIMS) if sp else st.none(),
             "prepare_input_output": sp_only,
             "src_data_rank": sampled((0, None)),
         }
@@ -252,16 +254,19 @@ def prepare_cases(draw: st.DrawFn, world_size: int) -> PrepareCase:
     shape = tuple(world_size * draw(st.integers(1, 2)) for _ in range(draw(st.integers(1, 3))))
     placements = _placements(len(shape))
     converts = style != "output"
-    given = draw(st.none() | placements)
-    keyword = draw(st.booleans())
-    left = () if style == "input" else (None, None)[: 1 + keyword]  # replaced below
+    sequence = style == "sequence"
+    shards = tuple(Shard(d) for d in range(-len(shape), len(shape)))
+    given = draw(sampled(shards) if sequence else st.none() | placements)
+    keyword = not sequence and draw(st.booleans())
+    redistributes = converts and not sequence and given is not None
+    left = (None, None)[: 1 + keyword] if style in CONVERTS_OUTPUTS else ()  # replaced below
     case = PrepareCase(
         style=style,
         tp=world_size,
         shape=shape,
         keyword=keyword,
         input_layout=given,
-        desired_input_layout=draw(placements) if converts and given is not None else given,
+        desired_input_layout=draw(placements) if redistributes else given,
         kwarg_layouts=draw(st.none() | st.tuples(placements, placements)) if keyword else None,
         use_local_input=converts and draw(st.booleans()),
         output_layouts=left,
@@ -272,7 +277,7 @@ def prepare_cases(draw: st.DrawFn, world_size: int) -> PrepareCase:
         dtype=draw(sampled(("float64", "float32"))),
         seed=draw(seeds()),
     )
-    if style == "input":
+    if style not in CONVERTS_OUTPUTS:
         return case
     outputs = case.module_outputs()
     return dataclasses.replace(

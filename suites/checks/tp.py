@@ -362,8 +362,10 @@ def _root_plan(case: TransformerCase) -> dict[str, Any]:
 
 
 def _sequence_parallel(case: TransformerCase) -> SequenceParallel:
-    if case.explicit_sequence_dim:
-        return SequenceParallel(sequence_dim=1, use_local_output=case.norm_local_output)
+    if case.sequence_dim is not None:
+        return SequenceParallel(
+            sequence_dim=case.sequence_dim, use_local_output=case.norm_local_output
+        )
     return SequenceParallel(use_local_output=case.norm_local_output)
 
 

@@ -1,5 +1,6 @@
 """Rank function and single-device reference of tp.prepare.layouts: PrepareModuleInput,
-PrepareModuleOutput and PrepareModuleInputOutput with drawn layouts around ``SquareEach``."""
+PrepareModuleOutput, PrepareModuleInputOutput and SequenceParallel with drawn layouts
+around ``SquareEach``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     PrepareModuleInputOutput,
     PrepareModuleOutput,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -26,7 +28,7 @@ from harness.torchkit.dtensor import (
     to_torch_placements,
 )
 from harness.torchkit.models import SquareEach
-from specs.placements import Placement, Replicate, local_arrays, normalize
+from specs.placements import Placement, Replicate, Shard, local_arrays, normalize
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,10 @@ def prepare_style(case: PrepareCase) -> Any:
         return PrepareModuleInput(**_input_options(case), use_local_output=case.use_local_input)
     if case.style == "output":
         return PrepareModuleOutput(**_output_options(case))
+    if case.style == "sequence":
+        assert isinstance(case.input_layout, Shard)
+        dim, local = case.input_layout.dim, case.use_local_input
+        return SequenceParallel(sequence_dim=dim, use_local_output=local)
     return PrepareModuleInputOutput(
         **_input_options(case), use_local_input=case.use_local_input, **_output_options(case)
     )
