@@ -288,6 +288,7 @@ def _check_transformer(world: World, case: TransformerCase) -> None:
         n_layers=case.n_layers,
         trainable=case.requires_grad,
         sharded_head=case.sharded_head,
+        local_attention_input=case.local_attention_input,
     )
     group = tuple(range(case.tp))
     for rank, trace in enumerate(world.run(tp.transformer_on_rank, case)):
@@ -441,7 +442,7 @@ def test_loss_parallel_with_an_empty_class_shard(world: World, data: st.DataObje
 
 
 @pytest.mark.spec("tp.prepare.layouts")
-@costly(4)  # 76 ms an example at world size 2
+@costly(2)  # 41 ms an example at world size 2
 @given(data=st.data())
 def test_prepare_styles_lay_out_like_they_say(world: World, data: st.DataObject) -> None:
     case = data.draw(prepare_cases(world.world_size), label="case")

@@ -284,6 +284,19 @@ def test_tp_collectives_model_gives_upstreams_counts(sp, thawed, forward, backwa
         assert got[0] == forward
 
 
+def test_tp_collectives_of_a_local_attention_input_all_reduce_each_projection_input():
+    def counts(local):
+        return transformer_collectives(
+            tp=2, sequence_parallel=True, n_layers=2, trainable=lambda _: True,
+            local_attention_input=local,
+        )  # fmt: skip
+
+    shared, local = counts(False), counts(True)
+    assert (local[0], local[2]) == (shared[0], shared[2])
+    assert local[1]["all_reduce"] == 3 * 2
+    assert local[1]["reduce_scatter"] == shared[1]["reduce_scatter"] - 2
+
+
 def test_tp_collectives_on_one_rank_are_none():
     assert transformer_collectives(
         tp=1, sequence_parallel=True, n_layers=2, trainable=lambda _: True

@@ -163,7 +163,7 @@ SEQUENCE_DIMS = (None, 1, -2)
 
 PLAN_OPTIONS = (
     *("wildcard_plan", "sharded_head", "norm_local_output", "sequence_dim"),
-    *("prepare_input_output", "src_data_rank"),
+    *("prepare_input_output", "local_attention_input", "src_data_rank"),
 )
 """The ways of spelling the tensor-parallel plan a ``TransformerCase`` draws (its fields)."""
 
@@ -210,6 +210,10 @@ class TransformerCase:
     """Under sequence parallelism, the attention's input prepared by
     ``PrepareModuleInputOutput`` (its output declared as the row-wise output it is) instead
     of ``PrepareModuleInput``."""
+    local_attention_input: bool = False
+    """Under sequence parallelism, the attention's gathered input handed on as the local
+    (whole) tensor (``use_local_output`` / ``use_local_input=True`` of its prepare style),
+    which the Colwise projections take as Replicate again."""
     src_data_rank: int | None = 0
     """``parallelize_module``'s: rank 0's values broadcast, or (None) each rank's own."""
 
@@ -224,7 +228,7 @@ class TransformerCase:
         if self.trainable is not None:
             names = transformer_param_names(self.n_layers, self.weight_tying)
             check_subset("trainable", self.trainable, names)
-        sp_only = ("norm_local_output", "prepare_input_output")
+        sp_only = ("norm_local_output", "prepare_input_output", "local_attention_input")
         for name in sp_only:
             turned = getattr(self, name)
             require(self.sequence_parallel or not turned, name, turned, "False without SP")

@@ -231,6 +231,7 @@ def _plan_options(sp: bool) -> st.SearchStrategy[dict[str, Any]]:
             "norm_local_output": sp_only,
             "sequence_dim": sampled(SEQUENCE_DIMS) if sp else st.none(),
             "prepare_input_output": sp_only,
+            "local_attention_input": sp_only,
             "src_data_rank": sampled((0, None)),
         }
     )

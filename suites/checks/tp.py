@@ -372,11 +372,15 @@ def _sequence_parallel(case: TransformerCase) -> SequenceParallel:
 def _attention_input(case: TransformerCase) -> Any:
     """The SP attention's input gathered along the sequence; its output (what ``wo``'s
     row-wise plan already handed on, a local Shard(1) piece) declared as it is."""
+    local = case.local_attention_input
     if not case.prepare_input_output:
-        return PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
+        return PrepareModuleInput(
+            input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=local
+        )
     return PrepareModuleInputOutput(
         input_layouts=Shard(1),
         desired_input_layouts=Replicate(),
+        use_local_input=local,
         output_layouts=Shard(1),
         desired_output_layouts=Shard(1),
     )
