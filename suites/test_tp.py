@@ -289,6 +289,7 @@ def _check_transformer(world: World, case: TransformerCase) -> None:
         trainable=case.requires_grad,
         sharded_head=case.sharded_head,
         local_attention_input=case.local_attention_input,
+        parallel_loss=case.parallel_loss,
     )
     group = tuple(range(case.tp))
     for rank, trace in enumerate(world.run(tp.transformer_on_rank, case)):

@@ -297,6 +297,19 @@ def test_tp_collectives_of_a_local_attention_input_all_reduce_each_projection_in
     assert local[1]["reduce_scatter"] == shared[1]["reduce_scatter"] - 2
 
 
+@pytest.mark.parametrize("sp", [False, True])
+def test_tp_collectives_of_loss_parallel_are_three_forward_all_reduces(sp):
+    def counts(loss):
+        return transformer_collectives(
+            tp=2, sequence_parallel=sp, n_layers=1, trainable=lambda _: True,
+            sharded_head=True, parallel_loss=loss,
+        )  # fmt: skip
+
+    summed, parallel = counts(False), counts(True)
+    assert parallel[0] == {**summed[0], "all_reduce": summed[0].get("all_reduce", 0) + 3}
+    assert parallel[1:] == summed[1:]
+
+
 def test_tp_collectives_on_one_rank_are_none():
     assert transformer_collectives(
         tp=1, sequence_parallel=True, n_layers=2, trainable=lambda _: True

@@ -163,7 +163,7 @@ SEQUENCE_DIMS = (None, 1, -2)
 
 PLAN_OPTIONS = (
     *("wildcard_plan", "sharded_head", "norm_local_output", "sequence_dim"),
-    *("prepare_input_output", "local_attention_input", "src_data_rank"),
+    *("prepare_input_output", "local_attention_input", "src_data_rank", "parallel_loss"),
 )
 """The ways of spelling the tensor-parallel plan a ``TransformerCase`` draws (its fields)."""
 
@@ -216,6 +216,9 @@ class TransformerCase:
     which the Colwise projections take as Replicate again."""
     src_data_rank: int | None = 0
     """``parallelize_module``'s: rank 0's values broadcast, or (None) each rank's own."""
+    parallel_loss: bool = False
+    """The sharded head's vocab-sharded DTensor logits go into ``F.cross_entropy`` against
+    seeded target tokens under ``loss_parallel()``, instead of the output being summed."""
 
     def __post_init__(self) -> None:
         tp, heads = self.tp, self.n_heads
@@ -236,6 +239,8 @@ class TransformerCase:
         spelled = self.sequence_parallel or self.sequence_dim is None
         require(spelled, "sequence_dim", self.sequence_dim, "None without SP")
         check_one_of("src_data_rank", self.src_data_rank, (0, None))
+        sharded = self.sharded_head or not self.parallel_loss
+        require(sharded, "parallel_loss", self.parallel_loss, "False without sharded_head")
 
     @property
     def max_seq_len(self) -> int:

@@ -215,8 +215,13 @@ def transformer_cases(draw: st.DrawFn, world_size: int, *, frozen: bool = False)
         steps=draw(st.integers(1, 3)) if dtype == "float64" else 1,
         dtype=dtype,
         seed=draw(seeds()),
-        **draw(_plan_options(sp)),
+        **_with_loss(draw, draw(_plan_options(sp))),
     )
+
+
+def _with_loss(draw: st.DrawFn, options: dict[str, Any]) -> dict[str, Any]:
+    """loss_parallel takes the logits only where the head leaves them vocab-sharded."""
+    return {**options, "parallel_loss": options["sharded_head"] and draw(st.booleans())}
 
 
 @cache

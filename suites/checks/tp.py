@@ -440,6 +440,35 @@ def tokens(case: TransformerCase, step: int) -> torch.Tensor:
     return torch.from_numpy(rng.integers(0, case.vocab, size=(case.batch, case.seq_len)))
 
 
+def targets(case: TransformerCase, step: int) -> torch.Tensor:
+    """The target token of every position (seeded apart from the input tokens)."""
+    rng = np.random.default_rng((case.seed, step, 1))
+    return torch.from_numpy(rng.integers(0, case.vocab, size=(case.batch * case.seq_len,)))
+
+
+def _loss(
+    output: torch.Tensor, case: TransformerCase, step: int, device: torch.device
+) -> torch.Tensor:
+    """The sum of the output, or its cross-entropy against the step's targets: under
+    ``loss_parallel()`` where the logits are a DTensor (sharded over the vocabulary)."""
+    if not case.parallel_loss:
+        return output.sum()
+    logits, target = output.flatten(0, 1), targets(case, step).to(device)
+    if not isinstance(output, DTensor):
+        return F.cross_entropy(logits, target)
+    with shared_contexts.loss_parallel():
+        return F.cross_entropy(logits, target)
+
+
+def _loss_backward(loss: torch.Tensor, case: TransformerCase) -> None:
+    """loss_parallel's backward runs under it too, as its documentation asks."""
+    if case.parallel_loss and isinstance(loss, DTensor):
+        with shared_contexts.loss_parallel():
+            loss.backward()
+    else:
+        loss.backward()
+
+
 def _trace(model: nn.Module, case: TransformerCase, device: torch.device) -> TransformerTrace:
     optimizer = torch.optim.Adam(
         _freeze(model, case), lr=case.lr, eps=case.eps, foreach=case.foreach
@@ -450,8 +479,9 @@ def _trace(model: nn.Module, case: TransformerCase, device: torch.device) -> Tra
         optimizer.zero_grad()
         with counting() as forward:
             output = model(tokens(case, step).to(device))
+            loss = _loss(output, case, step, device)
         with counting() as backward:
-            output.sum().backward()
+            _loss_backward(loss, case)
         # Norm weights stay plain tensors without sequence parallelism; Adam's foreach
         # kernels then mix them with DTensors, which upstream allows this way.
         with implicit_replication(), counting() as step_counts:
