@@ -249,6 +249,16 @@ def _placements(ndim: int) -> st.SearchStrategy[Placement]:
     return sampled((Replicate(), *shards))
 
 
+def _kwarg_layouts(
+    placements: st.SearchStrategy[Placement], converts: bool
+) -> st.SearchStrategy[tuple[Placement, Placement] | None]:
+    """The keyword input's (given, desired) layouts: always where the style converts inputs
+    (a tensor left as it is is ``x``'s None), else how it is fed, None for whole."""
+    if converts:
+        return st.tuples(placements, placements)
+    return st.none() | placements.map(lambda p: (p, p))
+
+
 @takes_world_size
 @st.composite
 def prepare_cases(draw: st.DrawFn, world_size: int) -> PrepareCase:
@@ -273,7 +283,7 @@ def prepare_cases(draw: st.DrawFn, world_size: int) -> PrepareCase:
         keyword=keyword,
         input_layout=given,
         desired_input_layout=draw(placements) if redistributes else given,
-        kwarg_layouts=draw(st.none() | st.tuples(placements, placements)) if keyword else None,
+        kwarg_layouts=draw(_kwarg_layouts(placements, converts)) if keyword else None,
         use_local_input=converts and draw(st.booleans()),
         output_layouts=left,
         desired_output_layouts=tuple(Replicate() for _ in left),
