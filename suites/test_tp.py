@@ -1,5 +1,6 @@
 """Tensor parallelism: every check of upstream's test_tp_examples.py as properties (which
-upstream test each covers: the specs' provenance). FSDP+TP training is optim.fsdp_tp.parity.
+upstream test each covers: the specs' provenance), and test_tp_style.py's prepare styles with
+drawn layouts (tp.prepare.layouts). FSDP+TP training is optim.fsdp_tp.parity.
 
 ``loss_parallel()`` (and torch's own ``CommDebugMode``) change process-global dispatch
 state in torch 2.13 and fail when rank threads use them at once: the checks enter it
