@@ -26,6 +26,7 @@ from harness.errors import require
 
 Counts = dict[str, int]
 ADAM_GRAD_READS = 3
+LOSS_PARALLEL_ALL_REDUCES = 3
 
 
 def _prefix_flags(n_layers: int, rg: Callable[[str], bool]) -> list[dict[str, bool]]:
@@ -54,24 +55,38 @@ def transformer_collectives(
     n_layers: int,
     trainable: Callable[[str], bool],
     sharded_head: bool = False,
+    local_attention_input: bool = False,
+    parallel_loss: bool = False,
 ) -> tuple[Counts, Counts, Counts]:
     """(forward, backward, optimizer step) collective counts per operation, over the TP
     group, of one training step; ``trainable(name)`` says whether a parameter requires
     grad (a tied output weight is the token embedding's). ``sharded_head``: the output
-    head leaves its logits sharded over the vocabulary, so the forward gathers them not."""
+    head leaves its logits sharded over the vocabulary, so the forward gathers them not.
+    ``local_attention_input``: under sequence parallelism the gathered attention input is
+    handed on as a local tensor, so its gradient reaches the three Colwise projections'
+    inputs as three Partial gradients, each all-reduced to the Replicate input it was
+    taken as, and the gather's adjoint becomes a local slice instead of a reduce-scatter.
+    ``parallel_loss``: the forward ends in cross_entropy under loss_parallel(), whose
+    distributed log-softmax all-reduces 3 times (the max, the sum of exponentials, the
+    target's logit) and whose backward needs none (tp.loss_parallel.class_dim)."""
     require(tp >= 1, "tp", tp, ">= 1")
     require(n_layers >= 0, "n_layers", n_layers, ">= 0")
     if tp == 1:
         return {}, {}, {}
     flags = _prefix_flags(n_layers, trainable)
     blocks, out_in = flags[:-1], flags[-1]["out_in"]
+    loss = LOSS_PARALLEL_ALL_REDUCES * parallel_loss
     if not sequence_parallel:
-        forward = _nonzero({"all_reduce": 2 + 2 * n_layers, "all_gather": 1 - sharded_head})
+        forward = {"all_reduce": 2 + 2 * n_layers + loss, "all_gather": 1 - sharded_head}
+        forward = _nonzero(forward)
         colwise_inputs = sum(3 * b["attn_in"] + b["w1_in"] for b in blocks) + out_in
         return forward, _nonzero({"all_reduce": colwise_inputs}), {}
     forward = {"reduce_scatter": 2 + 2 * n_layers, "all_gather": 2 + 2 * n_layers - sharded_head}
+    forward = _nonzero({**forward, "all_reduce": loss})
+    local = sum(b["attn_in"] for b in blocks) if local_attention_input else 0
     backward = Counter(
-        reduce_scatter=sum(b["attn_in"] + b["w1_in"] for b in blocks) + out_in,
+        all_reduce=3 * local,
+        reduce_scatter=sum(b["attn_in"] + b["w1_in"] for b in blocks) + out_in - local,
         all_gather=trainable("tok_embeddings.weight")
         + trainable("pos_embeddings.weight")
         + sum(b["wo_out"] + b["w2_out"] for b in blocks),

@@ -1,5 +1,6 @@
 """Tensor parallelism: every check of upstream's test_tp_examples.py as properties (which
-upstream test each covers: the specs' provenance). FSDP+TP training is optim.fsdp_tp.parity.
+upstream test each covers: the specs' provenance), and test_tp_style.py's prepare styles with
+drawn layouts (tp.prepare.layouts). FSDP+TP training is optim.fsdp_tp.parity.
 
 ``loss_parallel()`` (and torch's own ``CommDebugMode``) change process-global dispatch
 state in torch 2.13 and fail when rank threads use them at once: the checks enter it
@@ -20,11 +21,17 @@ from hypothesis import strategies as st
 
 from harness import World, parity
 from harness.cases.tp import LossCase, TPCase, TransformerCase
-from harness.parity import Float32Multiple, assert_close, assert_equal_values
+from harness.parity import (
+    Float32Multiple,
+    assert_array_equal,
+    assert_close,
+    assert_equal_values,
+)
 from harness.profiles import HANG_DEADLINE, costly, hanging, property_settings
 from harness.strategies import (
     loss_cases,
     loss_error_cases,
+    prepare_cases,
     tied_cases,
     tp_cases,
     transformer_cases,
@@ -32,8 +39,9 @@ from harness.strategies import (
 from harness.torchkit.collectives import CountKey
 from specs.chunking import shard_sizes
 from specs.loss_parallel import Layouts, Rejected, layouts
+from specs.placements import normalize
 from specs.tp_collectives import transformer_collectives
-from suites.checks import tp
+from suites.checks import tp, tp_prepare
 
 PROPERTY = property_settings()
 HANGS_ITS_PEERS = pytest.mark.runner(
@@ -281,6 +289,8 @@ def _check_transformer(world: World, case: TransformerCase) -> None:
         n_layers=case.n_layers,
         trainable=case.requires_grad,
         sharded_head=case.sharded_head,
+        local_attention_input=case.local_attention_input,
+        parallel_loss=case.parallel_loss,
     )
     group = tuple(range(case.tp))
     for rank, trace in enumerate(world.run(tp.transformer_on_rank, case)):
@@ -431,3 +441,27 @@ HANGS = hanging()
 def test_loss_parallel_with_an_empty_class_shard(world: World, data: st.DataObject) -> None:
     case = data.draw(loss_cases(world.world_size, mesh_ndim=1, classes="empty"), label="case")
     _check_loss(world, case, timeout=HANG_DEADLINE)
+
+
+@pytest.mark.spec("tp.prepare.layouts")
+@costly(2)  # 41 ms an example at world size 2
+@given(data=st.data())
+def test_prepare_styles_lay_out_like_they_say(world: World, data: st.DataObject) -> None:
+    case = data.draw(prepare_cases(world.world_size), label="case")
+    parity.attach(case.call())
+    outputs, grads = tp_prepare.prepare_reference(case)
+    states, fed = case.results(), case.fed()
+    for rank, result in enumerate(world.run(tp_prepare.prepare_on_rank, case)):
+        assert_equal_values(len(result.grads), len(fed), what=f"input gradients on rank {rank}")
+        for i, (got, state, want) in enumerate(zip(result.outputs, states, outputs, strict=True)):
+            what = f"output {i} on rank {rank}"
+            placements = normalize((state.placement,), len(case.shape))
+            wanted = placements if state.dtensor else None  # None: a local tensor
+            assert_equal_values(got.placements, wanted, what=f"{what}: placements")
+            # Exact: SquareEach is elementwise, each element rounded alike however split.
+            if not state.dtensor:
+                want = tp_prepare.piece(want, state.placement, case.tp, rank)
+            assert_array_equal(got.value, want, what=what)
+        for i, (got_grad, want) in enumerate(zip(result.grads, grads, strict=True)):
+            want = tp_prepare.piece(want, fed[i], case.tp, rank)
+            assert_array_equal(got_grad, want, what=f"gradient of input {i} on rank {rank}")

@@ -13,13 +13,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness.cases.hsdp import GroupErrorCase
-from harness.cases.tp import LossCase, TransformerCase, transformer_param_names
+from harness.cases.tp import (
+    LossCase,
+    PrepareCase,
+    TensorState,
+    TransformerCase,
+    transformer_param_names,
+)
 from harness.strategies.hsdp import hsdp_cases, hsdp_meshes, save_load_cases
 from harness.strategies.tp import (
     class_counts,
     hidden_sizes,
     loss_cases,
     loss_error_cases,
+    prepare_cases,
     tp_cases,
     transformer_cases,
 )
@@ -103,6 +110,44 @@ def test_tp_cases_split_rows_under_sequence_parallelism(world_size, data):
     assert case.training.dims[1] % world_size == 0
     if case.sequence_parallel:
         assert case.training.batch_per_rank % world_size == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 4), st.data())
+def test_prepare_cases_declare_local_outputs_as_they_are(world_size, data):
+    case = data.draw(prepare_cases(world_size))
+    assert all(dim % world_size == 0 for dim in case.shape)
+    assert len(case.results()) == len(case.fed()) == 1 + case.keyword
+    if case.style in ("output", "input_output"):
+        for layout, state in zip(case.output_layouts, case.module_outputs(), strict=True):
+            assert layout in (None, state.placement)
+
+
+def _prepare(**changes):
+    base = dict(
+        style="input_output", tp=2, shape=(2, 4), keyword=True, input_layout=Shard(0),
+        desired_input_layout=Replicate(), kwarg_layouts=(Replicate(), Shard(-1)),
+        use_local_input=True, output_layouts=(Replicate(), None),
+        desired_output_layouts=(Shard(1), Shard(0)), use_local_output=False, bare=False,
+        named_mesh=False, dtype="float64", seed=0,
+    )  # fmt: skip
+    return PrepareCase(**{**base, **changes})
+
+
+def test_prepare_case_follows_each_tensor_through_the_style():
+    case = _prepare()
+    assert case.fed() == (Shard(0), Replicate())
+    assert case.module_inputs() == (TensorState(Replicate(), False), TensorState(Shard(-1), False))
+    # x's local output declared Replicate and redistributed; y's left as the module made it
+    assert case.results() == (TensorState(Shard(1), True), TensorState(Shard(-1), False))
+    assert _prepare(style="input", output_layouts=(), desired_output_layouts=()).results() == (
+        case.module_outputs()
+    )
+    with pytest.raises(ValueError, match="the outputs' own layouts"):
+        _prepare(output_layouts=(Shard(0), None))
+    with pytest.raises(ValueError, match="tp=2"):
+        _prepare(shape=(3, 4))
+    assert "input_kwarg_layouts={'y': Replicate()}" in case.call()
 
 
 @settings(max_examples=100, deadline=None)
@@ -237,6 +282,32 @@ def test_tp_collectives_model_gives_upstreams_counts(sp, thawed, forward, backwa
     assert got[1:] == (backward, step)
     if forward is not None:
         assert got[0] == forward
+
+
+def test_tp_collectives_of_a_local_attention_input_all_reduce_each_projection_input():
+    def counts(local):
+        return transformer_collectives(
+            tp=2, sequence_parallel=True, n_layers=2, trainable=lambda _: True,
+            local_attention_input=local,
+        )  # fmt: skip
+
+    shared, local = counts(False), counts(True)
+    assert (local[0], local[2]) == (shared[0], shared[2])
+    assert local[1]["all_reduce"] == 3 * 2
+    assert local[1]["reduce_scatter"] == shared[1]["reduce_scatter"] - 2
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tp_collectives_of_loss_parallel_are_three_forward_all_reduces(sp):
+    def counts(loss):
+        return transformer_collectives(
+            tp=2, sequence_parallel=sp, n_layers=1, trainable=lambda _: True,
+            sharded_head=True, parallel_loss=loss,
+        )  # fmt: skip
+
+    summed, parallel = counts(False), counts(True)
+    assert parallel[0] == {**summed[0], "all_reduce": summed[0].get("all_reduce", 0) + 3}
+    assert parallel[1:] == summed[1:]
 
 
 def test_tp_collectives_on_one_rank_are_none():

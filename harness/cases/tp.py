@@ -23,6 +23,10 @@ class TPCase:
 
     sequence_parallel: bool
     training: ParityCase
+    local_output: bool = True
+    """``RowwiseParallel(use_local_output=...)``: False leaves the model's output a DTensor
+    (Replicate, or Shard(0) under sequence parallelism), which the loss receives with a
+    DTensor target of the same layout."""
 
     def __post_init__(self) -> None:
         check_one_of("training.layout", self.training.layout, ("fsdp_tp",))
@@ -41,8 +45,10 @@ class TPCase:
     def call(self) -> str:
         t = self.training
         plan = "sequence-parallel " if self.sequence_parallel else ""
+        rowwise = "" if self.local_output else "(use_local_output=False)"
         return (
-            f"{plan}Colwise/Rowwise TP over {self.tp} rank(s), MLP{t.dims} bias={t.bias} "
+            f"{plan}Colwise/Rowwise{rowwise} TP over {self.tp} rank(s), MLP{t.dims} "
+            f"bias={t.bias} "
             f"{t.dtype}, batch {t.batch_per_rank}, {t.steps} step(s) of {t.optim.describe()}"
         )
 
@@ -152,9 +158,12 @@ def transformer_param_names(n_layers: int, weight_tying: bool) -> tuple[str, ...
     return tuple(names)
 
 
+SEQUENCE_DIMS = (None, 1, -2)
+"""How a ``TransformerCase`` spells ``SequenceParallel``'s sequence dim (None: not at all)."""
+
 PLAN_OPTIONS = (
-    *("wildcard_plan", "sharded_head", "norm_local_output", "explicit_sequence_dim"),
-    *("prepare_input_output", "src_data_rank"),
+    *("wildcard_plan", "sharded_head", "norm_local_output", "sequence_dim"),
+    *("prepare_input_output", "local_attention_input", "src_data_rank", "parallel_loss"),
 )
 """The ways of spelling the tensor-parallel plan a ``TransformerCase`` draws (its fields)."""
 
@@ -193,14 +202,23 @@ class TransformerCase:
     norm_local_output: bool = False
     """Under sequence parallelism, the norms hand on local tensors
     (``SequenceParallel(use_local_output=True)``)."""
-    explicit_sequence_dim: bool = False
-    """Under sequence parallelism, ``SequenceParallel(sequence_dim=1)`` spelled out."""
+    sequence_dim: int | None = None
+    """Under sequence parallelism, ``SequenceParallel(sequence_dim=...)`` spelled out: 1, or
+    -2, the same dim of the (batch, seq, dim) residual stream counted from the end; None
+    leaves torch's default (1)."""
     prepare_input_output: bool = False
     """Under sequence parallelism, the attention's input prepared by
     ``PrepareModuleInputOutput`` (its output declared as the row-wise output it is) instead
     of ``PrepareModuleInput``."""
+    local_attention_input: bool = False
+    """Under sequence parallelism, the attention's gathered input handed on as the local
+    (whole) tensor (``use_local_output`` / ``use_local_input=True`` of its prepare style),
+    which the Colwise projections take as Replicate again."""
     src_data_rank: int | None = 0
     """``parallelize_module``'s: rank 0's values broadcast, or (None) each rank's own."""
+    parallel_loss: bool = False
+    """The sharded head's vocab-sharded DTensor logits go into ``F.cross_entropy`` against
+    seeded target tokens under ``loss_parallel()``, instead of the output being summed."""
 
     def __post_init__(self) -> None:
         tp, heads = self.tp, self.n_heads
@@ -213,11 +231,16 @@ class TransformerCase:
         if self.trainable is not None:
             names = transformer_param_names(self.n_layers, self.weight_tying)
             check_subset("trainable", self.trainable, names)
-        sp_only = ("norm_local_output", "explicit_sequence_dim", "prepare_input_output")
+        sp_only = ("norm_local_output", "prepare_input_output", "local_attention_input")
         for name in sp_only:
             turned = getattr(self, name)
             require(self.sequence_parallel or not turned, name, turned, "False without SP")
+        check_one_of("sequence_dim", self.sequence_dim, SEQUENCE_DIMS)
+        spelled = self.sequence_parallel or self.sequence_dim is None
+        require(spelled, "sequence_dim", self.sequence_dim, "None without SP")
         check_one_of("src_data_rank", self.src_data_rank, (0, None))
+        sharded = self.sharded_head or not self.parallel_loss
+        require(sharded, "parallel_loss", self.parallel_loss, "False without sharded_head")
 
     @property
     def max_seq_len(self) -> int:
@@ -244,3 +267,184 @@ class TransformerCase:
             f"{self.dtype}, tokens ({self.batch}, {self.seq_len}), {self.steps} step(s) of "
             f"Adam(lr={self.lr}, eps={self.eps}, foreach={self.foreach}){frozen}"
         )
+
+
+PREPARE_STYLES = ("input", "output", "input_output", "sequence")
+"""``PrepareModuleInput``, ``PrepareModuleOutput``, ``PrepareModuleInputOutput``, and
+``SequenceParallel`` (which prepares its module's one input as ``Shard(sequence_dim)``)."""
+CONVERTS_OUTPUTS = ("output", "input_output")
+
+Layout = Placement | None
+"""A placement a prepare style is given for one tensor; None: the tensor is left as it is."""
+
+
+@dataclass(frozen=True)
+class TensorState:
+    """How a tensor reaches a rank: as a DTensor of ``placement`` or as this rank's local
+    piece under it (the whole tensor for ``Replicate``)."""
+
+    placement: Placement
+    dtensor: bool
+
+
+@dataclass(frozen=True)
+class PrepareCase:
+    """``SquareEach`` (``forward(x, *, y=None)``: ``x * x + x``, and ``y * y`` when ``y`` is
+    given) under one prepare style over ``tp`` ranks, fed by every rank with its piece of
+    the seeded global ``x`` (and ``y``) of ``shape`` under ``input_layout`` (``kwarg_layouts``'
+    first), the whole tensor where that is None.
+
+    ``input`` and ``input_output`` convert the inputs (``desired_input_layout``,
+    ``use_local_input``, ``kwarg_layouts``: ``y``'s (given, desired) or None for none);
+    ``output`` and ``input_output`` convert the outputs (one layout per output, None to
+    leave one as it is; a local output's is the layout it has, so it is declared as it is).
+    ``sequence``: ``SequenceParallel(sequence_dim=input_layout.dim,
+    use_local_output=use_local_input)``, each rank feeding its piece of ``x`` along that dim.
+    ``bare``: a single placement given as itself rather than as a one-tuple."""
+
+    style: str
+    tp: int
+    shape: tuple[int, ...]
+    keyword: bool
+    input_layout: Layout
+    desired_input_layout: Layout
+    kwarg_layouts: tuple[Placement, Placement] | None
+    use_local_input: bool
+    output_layouts: tuple[Layout, ...]
+    desired_output_layouts: tuple[Placement, ...]
+    use_local_output: bool
+    bare: bool
+    named_mesh: bool
+    """The mesh is the ``tp`` axis of a named (1, tp) mesh (``mesh["tp"]``), else a 1-D one."""
+    dtype: str
+    seed: int
+
+    def __post_init__(self) -> None:
+        check_one_of("style", self.style, PREPARE_STYLES)
+        for dim in self.shape:
+            require(dim % self.tp == 0, "shape", self.shape, f"dims that tp={self.tp} divides")
+        converts_inputs = self.style != "output"
+        converts_outputs = self.style in CONVERTS_OUTPUTS
+        if self.style == "sequence":
+            sequence = isinstance(self.input_layout, Shard) and not self.keyword
+            expected = "Shard(sequence_dim) and no keyword input for SequenceParallel"
+            require(sequence, "input_layout", self.input_layout, expected)
+            same = self.desired_input_layout == self.input_layout
+            require(same, "desired_input_layout", self.desired_input_layout, "the input_layout")
+        if not converts_inputs:
+            unused = self.desired_input_layout != self.input_layout or self.use_local_input
+            require(not unused, "style", self.style, "with inputs left as each rank feeds them")
+        both = (self.input_layout is None) == (self.desired_input_layout is None)
+        require(both, "desired_input_layout", self.desired_input_layout, "None with input_layout")
+        kwargs = self.keyword or self.kwarg_layouts is None
+        require(kwargs, "kwarg_layouts", self.kwarg_layouts, "None without a keyword input")
+        outputs = 2 if self.keyword else 1
+        given = len(self.output_layouts) if converts_outputs else outputs
+        require(given == outputs, "output_layouts", self.output_layouts, f"{outputs} layout(s)")
+        paired = len(self.desired_output_layouts) == len(self.output_layouts)
+        expected = "one per output layout"
+        require(paired, "desired_output_layouts", self.desired_output_layouts, expected)
+        for layout, state in zip(self.output_layouts, self.module_outputs(), strict=False):
+            declared = layout is None or layout == state.placement
+            require(declared, "output_layouts", self.output_layouts, "the outputs' own layouts")
+
+    def fed(self) -> tuple[Placement, ...]:
+        """The layout each rank feeds ``x`` (and ``y``) in."""
+        y = () if not self.keyword else (self._given(self.kwarg_layouts),)
+        return (self.input_layout or Replicate(), *y)
+
+    @staticmethod
+    def _given(layouts: tuple[Placement, Placement] | None) -> Placement:
+        return Replicate() if layouts is None else layouts[0]
+
+    def module_inputs(self) -> tuple[TensorState, ...]:
+        """What the module receives for ``x`` (and ``y``)."""
+        if self.style == "output":
+            return tuple(TensorState(fed, False) for fed in self.fed())
+        states = [self._prepared(self.input_layout, self.desired_input_layout)]
+        if self.keyword:
+            given, desired = self.kwarg_layouts or (None, None)
+            states.append(self._prepared(given, desired))
+        return tuple(states)
+
+    def _prepared(self, given: Layout, desired: Layout) -> TensorState:
+        if given is None or desired is None:
+            return TensorState(given or Replicate(), False)
+        return TensorState(desired, not self.use_local_input)
+
+    def module_outputs(self) -> tuple[TensorState, ...]:
+        """``x * x + x`` (and ``y * y``): elementwise, each keeps its input's layout."""
+        return self.module_inputs()
+
+    def results(self) -> tuple[TensorState, ...]:
+        """What the forward hands back, per output."""
+        outputs = self.module_outputs()
+        if self.style not in CONVERTS_OUTPUTS:
+            return outputs
+        return tuple(
+            state if layout is None else TensorState(desired, not self.use_local_output)
+            for state, layout, desired in zip(
+                outputs, self.output_layouts, self.desired_output_layouts, strict=True
+            )
+        )
+
+    def call(self) -> str:
+        return (
+            f"parallelize_module(SquareEach(), {self._mesh()}, {self.style_call()}); "
+            f"forward({self._inputs()}) over {self.tp} rank(s), {self.dtype}"
+        )
+
+    def _mesh(self) -> str:
+        if self.named_mesh:
+            return f"mesh((1, {self.tp}), ('dp', 'tp'))['tp']"
+        return f"mesh(({self.tp},))"
+
+    def _inputs(self) -> str:
+        fed = [f"x {self.shape} {_fed(self.input_layout)}"]
+        if self.keyword:
+            given = self.kwarg_layouts[0] if self.kwarg_layouts else None
+            fed.append(f"y={self.shape} {_fed(given)}")
+        return ", ".join(fed)
+
+    def style_call(self) -> str:
+        """The style as it is constructed."""
+        if self.style == "sequence":
+            assert isinstance(self.input_layout, Shard)
+            dim, local = self.input_layout.dim, self.use_local_input
+            return f"SequenceParallel(sequence_dim={dim}, use_local_output={local})"
+        options = []
+        if self.style != "output":
+            options += self._input_options()
+        if self.style in CONVERTS_OUTPUTS:
+            options.append(f"output_layouts={self._layouts(self.output_layouts)}")
+            options.append(f"desired_output_layouts={self._layouts(self.desired_output_layouts)}")
+            options.append(f"use_local_output={self.use_local_output}")
+        name = {"input": "PrepareModuleInput", "output": "PrepareModuleOutput"}
+        return f"{name.get(self.style, 'PrepareModuleInputOutput')}({', '.join(options)})"
+
+    def _input_options(self) -> list[str]:
+        options = [
+            f"input_layouts={self._layouts((self.input_layout,))}",
+            f"desired_input_layouts={self._layouts((self.desired_input_layout,))}",
+        ]
+        if self.kwarg_layouts is not None:
+            given, desired = self.kwarg_layouts
+            options.append(f"input_kwarg_layouts={{'y': {_spelled(given)}}}")
+            options.append(f"desired_input_kwarg_layouts={{'y': {_spelled(desired)}}}")
+        local = "use_local_output" if self.style == "input" else "use_local_input"
+        return [*options, f"{local}={self.use_local_input}"]
+
+    def _layouts(self, layouts: tuple[Layout, ...]) -> str:
+        if self.bare and len(layouts) == 1 and layouts[0] is not None:
+            return _spelled(layouts[0])
+        return f"({', '.join(_spelled(p) for p in layouts)}{',' if len(layouts) == 1 else ''})"
+
+
+def _spelled(layout: Layout) -> str:
+    if layout is None:
+        return "None"
+    return f"Shard({layout.dim})" if isinstance(layout, Shard) else "Replicate()"
+
+
+def _fed(layout: Layout) -> str:
+    return "whole" if layout is None else f"as {_spelled(layout)}"

@@ -8,11 +8,22 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from harness.cases.tp import LossCase, TiedCase, TPCase, TransformerCase, transformer_param_names
+from harness.cases.tp import (
+    CONVERTS_OUTPUTS,
+    PREPARE_STYLES,
+    SEQUENCE_DIMS,
+    LossCase,
+    PrepareCase,
+    TiedCase,
+    TPCase,
+    TransformerCase,
+    transformer_param_names,
+)
 from harness.errors import check_int, check_one_of, require
 from harness.strategies._common import factorisations, sampled, seeds, takes_world_size
 from harness.strategies.training import DTENSOR_UNSUPPORTED, parity_cases
 from specs.chunking import shard_sizes
+from specs.placements import Placement, Replicate, Shard
 
 HIDDEN_KINDS = ("even", "uneven", "one")
 CLASS_KINDS = ("nonempty", "empty")
@@ -65,7 +76,7 @@ def _tp_cases(
         batch_per_rank=rows,
         bias=training.bias or hidden == "one",
     )
-    return TPCase(sequence_parallel=sp, training=training)
+    return TPCase(sequence_parallel=sp, training=training, local_output=draw(st.booleans()))
 
 
 @takes_world_size
@@ -204,8 +215,13 @@ def transformer_cases(draw: st.DrawFn, world_size: int, *, frozen: bool = False)
         steps=draw(st.integers(1, 3)) if dtype == "float64" else 1,
         dtype=dtype,
         seed=draw(seeds()),
-        **draw(_plan_options(sp)),
+        **_with_loss(draw, draw(_plan_options(sp))),
     )
+
+
+def _with_loss(draw: st.DrawFn, options: dict[str, Any]) -> dict[str, Any]:
+    """loss_parallel takes the logits only where the head leaves them vocab-sharded."""
+    return {**options, "parallel_loss": options["sharded_head"] and draw(st.booleans())}
 
 
 @cache
@@ -218,8 +234,71 @@ def _plan_options(sp: bool) -> st.SearchStrategy[dict[str, Any]]:
             "wildcard_plan": st.booleans(),
             "sharded_head": st.booleans(),
             "norm_local_output": sp_only,
-            "explicit_sequence_dim": sp_only,
+            "sequence_dim": sampled(SEQUENCE_DIMS) if sp else st.none(),
             "prepare_input_output": sp_only,
+            "local_attention_input": sp_only,
             "src_data_rank": sampled((0, None)),
         }
+    )
+
+
+@cache
+def _placements(ndim: int) -> st.SearchStrategy[Placement]:
+    """Replicate, or Shard of any dim of an ``ndim``-D tensor, negative spellings too."""
+    shards = [Shard(d) for d in range(-ndim, ndim)]
+    return sampled((Replicate(), *shards))
+
+
+def _kwarg_layouts(
+    placements: st.SearchStrategy[Placement], converts: bool
+) -> st.SearchStrategy[tuple[Placement, Placement] | None]:
+    """The keyword input's (given, desired) layouts: always where the style converts inputs
+    (a tensor left as it is is ``x``'s None), else how it is fed, None for whole."""
+    if converts:
+        return st.tuples(placements, placements)
+    return st.none() | placements.map(lambda p: (p, p))
+
+
+@takes_world_size
+@st.composite
+def prepare_cases(draw: st.DrawFn, world_size: int) -> PrepareCase:
+    """A prepare style with drawn layouts around ``SquareEach``: every dim splits evenly
+    over the ranks (a local input is made a DTensor without its global shape, which
+    assumes even pieces); a local output's layout is declared as the one it has (or
+    None), the desired ones anything."""
+    style = draw(sampled(PREPARE_STYLES))
+    shape = tuple(world_size * draw(st.integers(1, 2)) for _ in range(draw(st.integers(1, 3))))
+    placements = _placements(len(shape))
+    converts = style != "output"
+    sequence = style == "sequence"
+    shards = tuple(Shard(d) for d in range(-len(shape), len(shape)))
+    given = draw(sampled(shards) if sequence else st.none() | placements)
+    keyword = not sequence and draw(st.booleans())
+    redistributes = converts and not sequence and given is not None
+    left = (None, None)[: 1 + keyword] if style in CONVERTS_OUTPUTS else ()  # replaced below
+    case = PrepareCase(
+        style=style,
+        tp=world_size,
+        shape=shape,
+        keyword=keyword,
+        input_layout=given,
+        desired_input_layout=draw(placements) if redistributes else given,
+        kwarg_layouts=draw(_kwarg_layouts(placements, converts)) if keyword else None,
+        use_local_input=converts and draw(st.booleans()),
+        output_layouts=left,
+        desired_output_layouts=tuple(Replicate() for _ in left),
+        use_local_output=False,
+        bare=draw(st.booleans()),
+        named_mesh=draw(st.booleans()),
+        dtype=draw(sampled(("float64", "float32"))),
+        seed=draw(seeds()),
+    )
+    if style not in CONVERTS_OUTPUTS:
+        return case
+    outputs = case.module_outputs()
+    return dataclasses.replace(
+        case,
+        output_layouts=tuple(draw(st.sampled_from((None, o.placement))) for o in outputs),
+        desired_output_layouts=tuple(draw(placements) for _ in outputs),
+        use_local_output=draw(st.booleans()),
     )

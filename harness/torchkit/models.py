@@ -248,3 +248,15 @@ def build_transformer(case: TransformerShape, device: torch.device) -> Transform
     model.to(device=device, dtype=torch_dtype(case.dtype))
     seeded_init_(model, case.seed)
     return model
+
+
+class SquareEach(nn.Module):
+    """``x * x + x``, and ``y * y`` when the keyword tensor ``y`` is given: elementwise,
+    exact in any floating dtype however a tensor is split (each element rounds alike), so
+    every piece of the output is the piece of one device's output."""
+
+    def forward(
+        self, x: torch.Tensor, *, y: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        squared = x * x + x
+        return squared if y is None else (squared, y * y)

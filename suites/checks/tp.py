@@ -56,13 +56,31 @@ class TPTrace:
     counts: dict[CountKey, int] = field(default_factory=dict)
 
 
-def _plan(sequence_parallel: bool) -> dict[str, Any]:
-    if sequence_parallel:
+def _plan(case: TPCase) -> dict[str, Any]:
+    local = case.local_output
+    if case.sequence_parallel:
         return {
             "0": ColwiseParallel(input_layouts=Shard(0)),
-            "2": RowwiseParallel(output_layouts=Shard(0)),
+            "2": RowwiseParallel(output_layouts=Shard(0), use_local_output=local),
         }
-    return {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    return {"0": ColwiseParallel(), "2": RowwiseParallel(use_local_output=local)}
+
+
+def _local_rows(output: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of the output (a DTensor output's local piece)."""
+    return output.to_local() if isinstance(output, DTensor) else output
+
+
+def _rank_loss(case: TPCase, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """This rank's share of the loss over the global batch. A DTensor output meets a DTensor
+    target of its layout (made from this rank's rows, no collective): the loss is then the
+    global mean itself. Under sequence parallelism a local output's mean over its rows is
+    tp times its share of the global mean."""
+    if isinstance(output, DTensor):
+        target = DTensor.from_local(targets, output.device_mesh, output.placements)
+        return loss_of(output, target)
+    share = case.tp if case.sequence_parallel else 1
+    return loss_of(output, targets) / share
 
 
 def _rows(case: TPCase, rank: int) -> slice:
@@ -76,22 +94,19 @@ def _rows(case: TPCase, rank: int) -> slice:
 def tp_train_on_rank(ctx: RankContext, case: TPCase) -> TPTrace:
     t = case.training
     model = build_mlp(t, ctx.device)
-    parallelize_module(model, ctx.mesh((ctx.world_size,)), _plan(case.sequence_parallel))
+    parallelize_module(model, ctx.mesh((ctx.world_size,)), _plan(case))
     optimizer = build_optimizer(t.optim, param_groups(model, t.optim))
     scheduler = build_scheduler(t.optim, optimizer)
     rows = _rows(case, ctx.rank)
-    # Under sequence parallelism each rank's loss is the mean over its rows: a tp-th of
-    # it is its share of the mean over the global batch.
-    share = case.tp if case.sequence_parallel else 1
     outputs, grads, counts = [], {}, {}
     for step in range(t.steps):
         inputs, targets = step_batch(t, step)
         optimizer.zero_grad()
         with counting() as seen:
             output = model(tensor_from(inputs[rows], t.dtype, ctx.device))
-            loss = loss_of(output, tensor_from(targets[rows], t.dtype, ctx.device)) / share
-            loss.backward()
-        outputs.append(to_numpy(output))
+            target = tensor_from(targets[rows], t.dtype, ctx.device)
+            _rank_loss(case, output, target).backward()
+        outputs.append(to_numpy(_local_rows(output)))
         if step == 0:
             grads = {
                 n: full_array(p.grad) for n, p in model.named_parameters() if p.grad is not None
@@ -130,9 +145,10 @@ def tp_inference_on_rank(ctx: RankContext, case: TPCase) -> np.ndarray:
     t = case.training
     with torch.inference_mode():
         model = build_mlp(t, ctx.device)
-        parallelize_module(model, ctx.mesh((ctx.world_size,)), _plan(case.sequence_parallel))
+        parallelize_module(model, ctx.mesh((ctx.world_size,)), _plan(case))
         inputs, _ = step_batch(t, 0)
-        return to_numpy(model(tensor_from(inputs[_rows(case, ctx.rank)], t.dtype, ctx.device)))
+        output = model(tensor_from(inputs[_rows(case, ctx.rank)], t.dtype, ctx.device))
+        return to_numpy(_local_rows(output))
 
 
 def reference_output(case: TPCase) -> np.ndarray:
@@ -346,19 +362,25 @@ def _root_plan(case: TransformerCase) -> dict[str, Any]:
 
 
 def _sequence_parallel(case: TransformerCase) -> SequenceParallel:
-    if case.explicit_sequence_dim:
-        return SequenceParallel(sequence_dim=1, use_local_output=case.norm_local_output)
+    if case.sequence_dim is not None:
+        return SequenceParallel(
+            sequence_dim=case.sequence_dim, use_local_output=case.norm_local_output
+        )
     return SequenceParallel(use_local_output=case.norm_local_output)
 
 
 def _attention_input(case: TransformerCase) -> Any:
     """The SP attention's input gathered along the sequence; its output (what ``wo``'s
     row-wise plan already handed on, a local Shard(1) piece) declared as it is."""
+    local = case.local_attention_input
     if not case.prepare_input_output:
-        return PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
+        return PrepareModuleInput(
+            input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=local
+        )
     return PrepareModuleInputOutput(
         input_layouts=Shard(1),
         desired_input_layouts=Replicate(),
+        use_local_input=local,
         output_layouts=Shard(1),
         desired_output_layouts=Shard(1),
     )
@@ -418,6 +440,35 @@ def tokens(case: TransformerCase, step: int) -> torch.Tensor:
     return torch.from_numpy(rng.integers(0, case.vocab, size=(case.batch, case.seq_len)))
 
 
+def targets(case: TransformerCase, step: int) -> torch.Tensor:
+    """The target token of every position (seeded apart from the input tokens)."""
+    rng = np.random.default_rng((case.seed, step, 1))
+    return torch.from_numpy(rng.integers(0, case.vocab, size=(case.batch * case.seq_len,)))
+
+
+def _loss(
+    output: torch.Tensor, case: TransformerCase, step: int, device: torch.device
+) -> torch.Tensor:
+    """The sum of the output, or its cross-entropy against the step's targets: under
+    ``loss_parallel()`` where the logits are a DTensor (sharded over the vocabulary)."""
+    if not case.parallel_loss:
+        return output.sum()
+    logits, target = output.flatten(0, 1), targets(case, step).to(device)
+    if not isinstance(output, DTensor):
+        return F.cross_entropy(logits, target)
+    with shared_contexts.loss_parallel():
+        return F.cross_entropy(logits, target)
+
+
+def _loss_backward(loss: torch.Tensor, case: TransformerCase) -> None:
+    """loss_parallel's backward runs under it too, as its documentation asks."""
+    if case.parallel_loss and isinstance(loss, DTensor):
+        with shared_contexts.loss_parallel():
+            loss.backward()
+    else:
+        loss.backward()
+
+
 def _trace(model: nn.Module, case: TransformerCase, device: torch.device) -> TransformerTrace:
     optimizer = torch.optim.Adam(
         _freeze(model, case), lr=case.lr, eps=case.eps, foreach=case.foreach
@@ -428,8 +479,9 @@ def _trace(model: nn.Module, case: TransformerCase, device: torch.device) -> Tra
         optimizer.zero_grad()
         with counting() as forward:
             output = model(tokens(case, step).to(device))
+            loss = _loss(output, case, step, device)
         with counting() as backward:
-            output.sum().backward()
+            _loss_backward(loss, case)
         # Norm weights stay plain tensors without sequence parallelism; Adam's foreach
         # kernels then mix them with DTensors, which upstream allows this way.
         with implicit_replication(), counting() as step_counts:
