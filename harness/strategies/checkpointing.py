@@ -38,7 +38,14 @@ def _checkpointings(draw: st.DrawFn, layers: int, random: bool) -> Checkpointing
     api = draw(sampled(CHECKPOINT_APIS))
     reentrant = api in REENTRANT_APIS and layers > 1 and draw(st.booleans())
     positions = tuple(range(1 if reentrant else 0, layers))
-    chosen = draw(st.lists(sampled(positions), min_size=1, unique=True).map(sorted))
+    # apply_activation_checkpointing spells "every layer" with an auto_wrap_policy and any
+    # other choice with a check_fn: drawn as often as a choice, not left to a full list.
+    every = api == "apply" and not reentrant and draw(st.booleans())
+    chosen = (
+        list(positions)
+        if every
+        else draw(st.lists(sampled(positions), min_size=1, unique=True).map(sorted))
+    )
     preserve_rng_state = random or draw(st.booleans())
     if reentrant:
         return Checkpointing(
