@@ -410,7 +410,7 @@ def test_loss_parallel_on_a_2d_mesh_matches_cross_entropy(
 
 
 @pytest.mark.spec("tp.loss_parallel.rejected")
-@PROPERTY
+@costly(2)  # 40 ms an example at world size 4
 @given(data=st.data())
 def test_loss_parallel_rejects_other_layouts(world: World, data: st.DataObject) -> None:
     rule, case = data.draw(loss_error_cases(world.world_size), label="case")

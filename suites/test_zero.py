@@ -53,7 +53,7 @@ def _assert_params(got: list[np.ndarray], want: list[np.ndarray], what: str) -> 
 
 
 @pytest.mark.spec("zero.state_dict.roundtrip")
-@PROPERTY
+@costly(2)  # 45 ms an example at world size 4
 @given(data=st.data())
 def test_state_dict_consolidates_reloads_and_trains_on(world: World, data: st.DataObject) -> None:
     case = data.draw(params_cases(world.world_size, momentum=True), label="case")
@@ -131,7 +131,7 @@ def _plain_sgd() -> st.SearchStrategy[OptimConfig]:
 
 @pytest.mark.spec("zero.step.closure")
 @pytest.mark.parametrize("bucket_view", [False, True])
-@PROPERTY
+@costly(2)  # 24 ms an example at world size 4
 @given(data=st.data())
 def test_step_with_closure_returns_its_loss(
     world: World, data: st.DataObject, bucket_view: bool
@@ -238,7 +238,7 @@ def _with_two_groups(case: ParityCase, data: st.DataObject) -> ParityCase:
 
 @pytest.mark.spec("zero.process_group.subgroup")
 @pytest.mark.world_size(min=2)
-@PROPERTY
+@costly(2)  # 29 ms an example at world size 4
 @given(data=st.data())
 def test_zero_on_a_subgroup_trains_its_members(world: World, data: st.DataObject) -> None:
     case = data.draw(parity_cases(world.world_size, layout="zero"), label="case")
@@ -319,7 +319,7 @@ def test_sharded_buckets_that_fit_match_ddp_local_sgd(world: World, data: st.Dat
 
 
 @pytest.mark.spec("zero.param_groups.frozen")
-@PROPERTY
+@costly(2)  # 21 ms an example at world size 4
 @given(data=st.data())
 def test_frozen_parameters_in_groups_step_like_one_device(
     world: World, data: st.DataObject
