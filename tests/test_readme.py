@@ -24,6 +24,8 @@ ONE_TEST_OF = {
     "tp": "test_tp_mlp_inference_matches_one_device",
     "hsdp": "test_fully_shard_hybrid_trains_like_full_shard",
     "ops": "test_op_on_dtensors_matches_one_device and sigmoid",
+    "ddp": "test_join_options_follow_the_documented_arithmetic",
+    "schedules": "test_lr_schedules_match_the_spec_model",
 }
 """A quick test of each suite: an example's run selects these of the suites it names."""
 TINY_BENCH = {
