@@ -130,7 +130,7 @@ FAULTS: tuple[Fault, ...] = (
         origin=blind(
             TRAINING_OPTIONS,
             "https://github.com/pytorch/pytorch/pull/124318",
-            survived_before=True,
+            survived_before=False,
         ),
     ),
     # https://github.com/pytorch/pytorch/issues/190626 and
@@ -156,7 +156,7 @@ FAULTS: tuple[Fault, ...] = (
             TRAINING_OPTIONS,
             "https://github.com/pytorch/pytorch/issues/190626",
             "https://github.com/pytorch/pytorch/pull/190627",
-            survived_before=True,
+            survived_before=False,
         ),
     ),
     # https://github.com/pytorch/pytorch/pull/42577 (Join-based API to support DDP uneven
@@ -335,7 +335,7 @@ FAULTS: tuple[Fault, ...] = (
             "https://github.com/pytorch/pytorch/issues/6884",
             "https://github.com/InternLM/xtuner/pull/2048",
             "https://github.com/deepspeedai/DeepSpeed/pull/4118",
-            survived_before=True,
+            survived_before=False,
         ),
     ),
 )

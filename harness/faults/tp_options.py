@@ -105,7 +105,7 @@ FAULTS: tuple[Fault, ...] = (
             "https://github.com/NVIDIA/TransformerEngine/issues/435",
             "https://github.com/NVIDIA/Megatron-LM/issues/443",
             "https://github.com/EleutherAI/gpt-neox/pull/1259",
-            survived_before=True,
+            survived_before=False,
         ),
     ),
     # https://github.com/PaddlePaddle/Paddle/pull/76033 and
