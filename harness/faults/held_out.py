@@ -192,6 +192,42 @@ layer never called with keywords, and ``adamax_foreach_mutates_grads`` and
 ASGD, which specs.optimizers does not model) the budget drew too rarely or not at all.
 ``nadam_single_tensor_mu_counted_twice`` is caught or not depending on the draws: the dev
 run caught it, the ci run at world sizes 1 and 2 did not.
+
+Training options set
+====================
+
+13 faults (``tp_options``, ``optim_training_options``), written blind for the training
+options, each re-creating in torch 2.13 the mechanism of a real upstream report on the path it
+lived on: tensor parallelism's styles (PrepareModuleInput's keyword-argument layouts,
+SequenceParallel's norm-weight gradients left Partial and relabelled replicated,
+loss_parallel's mean counting ignored targets: 3 faults); FSDP2's controls
+(set_requires_gradient_sync(True) not recursing, MixedPrecisionPolicy's reduce_dtype dropped
+from the reduce-scatter: 2); DDP (join ignoring divide_by_initial_world_size, PowerSGD's
+iteration counted per bucket: 2); optimizers, clipping and schedulers (RAdam foreach without
+eps, Rprop foreach with maximize keeping the un-negated gradient, clip_grad_value_'s foreach
+path losing its lower clamp, a scheduler resumed with last_epoch taking its base lrs from the
+decayed lr: 4); activation checkpointing (the reentrant recomputation without the forward's
+autocast when preserve_rng_state=False, checkpoint_wrapper's non-reentrant region cut out of
+the graph when no input requires grad: 2).
+
+Against the suites as they were when it was written (distconf f7bfa48; ``mutate --suite
+optim_parity,zero,tp,schedules --world-sizes 2,1 --profile dev --seed 1``), 9 of 13
+survived. Caught: ``fsdp.gradient_sync_reenabled_without_recurse`` (optim.knobs.micro_batching,
+first example), ``fsdp.reduce_dtype_ignored_in_reduce_scatter`` (optim.fsdp.mixed_precision,
+2 examples), ``tp.sequence_parallel_norm_grad_not_reduced`` (tp.transformer.training, 2
+examples) and ``ac.wrapper_no_grad_inputs_params_dropped`` (optim.knobs.checkpointing, first
+example, by an error: its checkpointed first layer was the only path to the loss, so backward
+raised instead of training silently wrong). Survived: ``ddp.join_divides_by_active_ranks``,
+``ddp.powersgd_iter_counted_per_bucket``, ``optim.radam_foreach_eps_dropped``,
+``optim.rprop_foreach_maximize_prev_not_negated``,
+``optim.clip_grad_value_foreach_lower_bound_dropped``,
+``optim.scheduler_resume_base_lrs_from_current_lr``,
+``ac.reentrant_recompute_autocast_tied_to_rng``, ``tp.prepare_input_kwarg_not_redistributed``
+and ``tp.loss_parallel_mean_counts_ignored``: each lives on an option the run did not draw or
+a component it does not exercise (uneven inputs under Join, PowerSGD with several buckets, the
+RAdam and Rprop foreach kernels, clip_grad_value_, a scheduler built with last_epoch >= 0, CPU
+autocast around reentrant checkpointing, PrepareModuleInput's kwargs, ignored targets under
+loss_parallel).
 """
 
 from __future__ import annotations
@@ -201,4 +237,5 @@ DTENSOR_DEPTH = "DTensor depth"
 TRAINING_KNOBS = "training knobs"
 OPS = "ops"
 TRAINING_SURFACE = "training surface"
-SETS = (FIRST, DTENSOR_DEPTH, TRAINING_KNOBS, OPS, TRAINING_SURFACE)
+TRAINING_OPTIONS = "training options"
+SETS = (FIRST, DTENSOR_DEPTH, TRAINING_KNOBS, OPS, TRAINING_SURFACE, TRAINING_OPTIONS)
