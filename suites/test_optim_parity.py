@@ -482,7 +482,7 @@ CLIP_TOLERANCE = {"float64": (1e-12, 1e-15), "float32": (1e-5, 1e-7)}  # (rtol, 
 
 
 @pytest.mark.spec("optim.clip.matches_spec")
-@costly(2)  # 53 ms an example at world size 4; mutate's clip_nonfinite fault met at the 25th
+@PROPERTY  # whole budget: at half, ci's draws at world size 2 miss clip_nonfinite_check_misses_inf
 @given(data=st.data())
 def test_gradient_clipping_matches_the_spec_model(world: World, data: st.DataObject) -> None:
     case = data.draw(clip_cases(world.world_size), label="case")
