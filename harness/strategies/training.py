@@ -96,14 +96,20 @@ def _sgd_options(draw: st.DrawFn, momenta: tuple[float, ...]) -> tuple[tuple[str
 
 
 @st.composite
-def _adam_options(draw: st.DrawFn, decoupled: bool) -> tuple[tuple[str, Any], ...]:
+def _adam_options(draw: st.DrawFn, name: str) -> tuple[tuple[str, Any], ...]:
+    # Adam(decoupled_weight_decay=True) is AdamW (documented), which AdamW's constructor
+    # does not take
+    flag = name == "Adam" and draw(st.booleans())
+    decoupled = flag or name == "AdamW"
     decays = (0.01, 0.1) if decoupled else (0.0, 0.01)
-    return (
+    chosen = (
         ("betas", draw(sampled(((0.9, 0.999), (0.8, 0.99))))),
+        ("eps", draw(sampled(_EPS))),
         ("weight_decay", draw(sampled(decays))),
         ("amsgrad", draw(st.booleans())),
         ("maximize", draw(st.booleans())),
     )
+    return (*chosen, ("decoupled_weight_decay", True)) if flag else chosen
 
 
 _Options = tuple[tuple[str, Any], ...]
@@ -113,7 +119,7 @@ def _options(name: str, stateful: bool) -> st.SearchStrategy[_Options]:
     if name == "SGD":
         return _sgd_options((0.9,) if stateful else (0.0, 0.9))
     if name in ("Adam", "AdamW"):
-        return _adam_options(decoupled=name == "AdamW")
+        return _adam_options(name)
     return _OTHER_OPTIONS[name]
 
 
@@ -126,6 +132,8 @@ def _drawn(draw: st.DrawFn, /, **choices: Sequence[Any]) -> _Options:
 _CAPTURABLE = ("Adam", "AdamW", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta", "ASGD", "Rprop")
 """The optimizers with a ``capturable`` option."""
 _DECAYS = (0.0, 0.01)
+_EPS = (1e-8, 1e-6)
+"""Adam's family's default eps and one large enough to move a step of small gradients."""
 _BOTH = (False, True)
 # Values near each option's default and one that changes the arithmetic visibly within a
 # few steps (a short t0 starts ASGD's averaging, a large momentum_decay NAdam's schedule).
@@ -142,11 +150,13 @@ _OTHER_OPTIONS = {
         betas=((0.9, 0.999), (0.8, 0.99)), eps=(1e-8, 1e-6), weight_decay=_DECAYS, maximize=_BOTH,
     ),
     "NAdam": _drawn(
-        betas=((0.9, 0.999), (0.8, 0.99)), weight_decay=_DECAYS, momentum_decay=(0.004, 0.1),
+        betas=((0.9, 0.999), (0.8, 0.99)), eps=_EPS, weight_decay=_DECAYS,
+        momentum_decay=(0.004, 0.1),
         decoupled_weight_decay=_BOTH, maximize=_BOTH,
     ),
     "RAdam": _drawn(
-        betas=((0.9, 0.999), (0.8, 0.99)), weight_decay=_DECAYS, decoupled_weight_decay=_BOTH,
+        betas=((0.9, 0.999), (0.8, 0.99)), eps=_EPS, weight_decay=_DECAYS,
+        decoupled_weight_decay=_BOTH,
         maximize=_BOTH,
     ),
     "Adadelta": _drawn(rho=(0.9, 0.5), eps=(1e-6, 1e-4), weight_decay=_DECAYS, maximize=_BOTH),
@@ -157,7 +167,8 @@ _OTHER_OPTIONS = {
         etas=((0.5, 1.2), (0.3, 1.5)), step_sizes=((1e-6, 50.0), (1e-4, 1.0)), maximize=_BOTH,
     ),
     "Adafactor": _drawn(
-        beta2_decay=(-0.8, -0.5), d=(1.0, 2.0), weight_decay=_DECAYS, maximize=_BOTH,
+        beta2_decay=(-0.8, -0.5), eps=((None, 1e-3), (1e-20, 1e-2)), d=(1.0, 2.0),
+        weight_decay=_DECAYS, maximize=_BOTH,
     ),
 }  # fmt: skip
 
