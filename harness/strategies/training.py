@@ -39,7 +39,7 @@ from harness.strategies._common import (
 from harness.strategies.comm_hooks import comm_hooks
 from harness.strategies.ddp import ddp_options
 from harness.strategies.knobs import KNOB_FAMILIES, draw_knobs, precisions
-from harness.strategies.optim_configs import LRS
+from harness.strategies.optim_configs import CAPTURABLE, LRS
 from harness.strategies.optim_configs import optim_configs as optim_configs
 from harness.strategies.placements import placements
 from harness.strategies.schedules import clippings
@@ -312,13 +312,16 @@ def step_cases(
     *,
     dtensor_unsupported: frozenset[tuple[str, str]] = frozenset(),
     differentiable: bool = False,
+    capturable: bool = False,
 ) -> StepCase:
     """1-4 float32/float64 parameters of shapes near the mesh's axis sizes, as plain tensors
     or as DTensors laid out by Shard/Replicate placements (uneven and empty shards), and any
     optimizer configuration of those ``specs.optimizers`` models (for DTensors none of the
     ``dtensor_unsupported`` pairs); some parameters have no gradient at some steps.
     ``differentiable=True``: DTensors always, ``differentiable=True`` steps of the default
-    kernels (torch's foreach and fused kernels refuse autograd), a tensor lr sometimes."""
+    kernels (torch's foreach and fused kernels refuse autograd), a tensor lr sometimes.
+    ``capturable=True``: ``capturable=True`` on any optimizer that takes it (modelled or
+    not), default or foreach kernels (the fused ones serve it on the CPU)."""
     mesh = draw(mesh_shapes(world_size))
     count = draw(st.integers(1, 4))
     drawn = tuple(draw(shapes(max_ndim=2, near=max(mesh))) for _ in range(count))
@@ -326,11 +329,14 @@ def step_cases(
     if differentiable or draw(st.booleans()):
         laid_out = tuple(draw(placements(len(mesh), len(s), reduce_ops=())) for s in drawn)
     unsupported = dtensor_unsupported if laid_out is not None else frozenset()
-    impls = ("default",) if differentiable else IMPLEMENTATIONS
-    # Adamax's differentiable step unsqueezes in place, which torch 2.13's DTensor has no
-    # sharding strategy for (aten.unsqueeze_, Replicate too): not drawn there (README).
-    names = tuple(n for n in MODELLED if n != "Adamax") if differentiable else MODELLED
+    # torch's foreach and fused kernels refuse autograd; its fused ones serve capturable on
+    # the CPU (drawn by the parity properties' optim_flags)
+    impls: tuple[str, ...] = ("default",) if differentiable else IMPLEMENTATIONS
+    impls = ("default", "foreach") if capturable else impls
+    names = _step_names(differentiable=differentiable, capturable=capturable)
     optim = draw(optim_configs(names=names, unsupported=unsupported, groups=False, impls=impls))
+    if capturable:
+        optim = replace(optim, options=(*optim.options, ("capturable", True)))
     if differentiable:
         # amsgrad and centered: torch 2.13's differentiable Adam (exp_avg_sq) and RMSprop
         # (grad_avg) modify a state tensor in place after autograd saved it (one device
@@ -341,7 +347,9 @@ def step_cases(
         optim = replace(optim, options=options, tensor_lr=draw(st.booleans()))
     steps = draw(st.integers(1, 4))
     pairs = [(step, index) for step in range(steps) for index in range(count)]
-    idle = () if differentiable else draw(st.lists(sampled(tuple(pairs)), unique=True).map(sorted))
+    # every parameter stepped: a step with no gradient to take never reaches a refusal
+    whole = differentiable or capturable
+    idle = () if whole else draw(st.lists(sampled(tuple(pairs)), unique=True).map(sorted))
     return StepCase(
         mesh_shape=mesh,
         shapes=drawn,
@@ -353,6 +361,14 @@ def step_cases(
         differentiable=differentiable,
         idle=tuple(idle),
     )
+
+
+def _step_names(*, differentiable: bool, capturable: bool) -> tuple[str, ...]:
+    if capturable:
+        return CAPTURABLE
+    # Adamax's differentiable step unsqueezes in place, which torch 2.13's DTensor has no
+    # sharding strategy for (aten.unsqueeze_, Replicate too): not drawn there (README).
+    return tuple(n for n in MODELLED if n != "Adamax") if differentiable else MODELLED
 
 
 @takes_world_size
