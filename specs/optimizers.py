@@ -39,7 +39,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 }
 OPTIMIZERS = tuple(_DEFAULTS)
 """The optimizers modelled: SGD, Adam, AdamW here, the others in ``adaptive_optimizers``."""
-_COMMON = {"lr", "maximize"}
+# differentiable (autograd records the step) changes none of the algorithm's values
+_COMMON = {"lr", "maximize", "differentiable"}
 
 
 @dataclass

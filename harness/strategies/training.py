@@ -20,6 +20,7 @@ from harness.cases.training import (
     TP_LAYOUTS,
     JoinCase,
     MLPCase,
+    OptimConfig,
     OverlapCase,
     ParamsCase,
     ParityCase,
@@ -317,7 +318,9 @@ def step_cases(
     """1-4 float32/float64 parameters of shapes near the mesh's axis sizes, as plain tensors
     or as DTensors laid out by Shard/Replicate placements (uneven and empty shards), and any
     optimizer configuration of those ``specs.optimizers`` models (for DTensors none of the
-    ``dtensor_unsupported`` pairs); some parameters have no gradient at some steps.
+    ``dtensor_unsupported`` pairs), sometimes ``differentiable=True`` where its step
+    keeps to the model (``_may_differentiate``); some parameters have no gradient at some
+    steps.
     ``differentiable=True``: DTensors always, ``differentiable=True`` steps of the default
     kernels (torch's foreach and fused kernels refuse autograd), a tensor lr sometimes.
     ``capturable=True``: ``capturable=True`` on any optimizer that takes it (modelled or
@@ -338,13 +341,9 @@ def step_cases(
     if capturable:
         optim = replace(optim, options=(*optim.options, ("capturable", True)))
     if differentiable:
-        # amsgrad and centered: torch 2.13's differentiable Adam (exp_avg_sq) and RMSprop
-        # (grad_avg) modify a state tensor in place after autograd saved it (one device
-        # raises from the second step on): not drawn.
-        dropped = ("amsgrad", "centered")
-        kept = tuple((k, v) for k, v in optim.options if k not in dropped)
-        options = (*kept, ("differentiable", True))
-        optim = replace(optim, options=options, tensor_lr=draw(st.booleans()))
+        optim = replace(_made_differentiable(optim), tensor_lr=draw(st.booleans()))
+    elif not capturable and _may_differentiate(optim, laid_out is not None):
+        optim = _made_differentiable(optim) if draw(st.booleans()) else optim
     steps = draw(st.integers(1, 4))
     pairs = [(step, index) for step in range(steps) for index in range(count)]
     # every parameter stepped: a step with no gradient to take never reaches a refusal
@@ -363,12 +362,42 @@ def step_cases(
     )
 
 
+ROUNDS_DIFFERENTIABLE = ("Adam", "AdamW", "NAdam")
+"""Optimizers whose differentiable step torch 2.13 computes in float32 scalars where its
+plain step takes Python floats: Adam's and AdamW's bias corrections (from the float32 step
+count: 4e-6 relative off the float64 model after one step of a float64 parameter), NAdam's
+two step factors (from its float32 mu_product). The differentiable property holds them to
+one device instead."""
+
+
+def _may_differentiate(optim: OptimConfig, dtensors: bool) -> bool:
+    """Whether a step case held to the spec model may draw ``differentiable=True``: default
+    kernels, not ``ROUNDS_DIFFERENTIABLE``, not Adamax on DTensors (its differentiable step
+    unsqueezes in place, which torch 2.13's DTensor has no sharding strategy for)."""
+    if optim.impl != "default" or optim.name in ROUNDS_DIFFERENTIABLE:
+        return False
+    return not (dtensors and optim.name == "Adamax")
+
+
+def _made_differentiable(optim: OptimConfig) -> OptimConfig:
+    """``optim`` with ``differentiable=True``, without amsgrad and centered: torch 2.13's
+    differentiable Adam (exp_avg_sq) and RMSprop (grad_avg) modify a state tensor in place
+    after autograd saved it (one device raises from the second step on)."""
+    dropped = ("amsgrad", "centered")
+    kept = tuple((k, v) for k, v in optim.options if k not in dropped)
+    return replace(optim, options=(*kept, ("differentiable", True)))
+
+
 def _step_names(*, differentiable: bool, capturable: bool) -> tuple[str, ...]:
     if capturable:
         return CAPTURABLE
-    # Adamax's differentiable step unsqueezes in place, which torch 2.13's DTensor has no
-    # sharding strategy for (aten.unsqueeze_, Replicate too): not drawn there (README).
-    return tuple(n for n in MODELLED if n != "Adamax") if differentiable else MODELLED
+    if not differentiable:
+        return MODELLED
+    # The differentiable property's reference is one device, so unmodelled ASGD too. Not
+    # Adamax, whose differentiable step unsqueezes in place, which torch 2.13's DTensor has
+    # no sharding strategy for (aten.unsqueeze_, Replicate too: README); not Rprop, whose
+    # step torch 2.13's DTensor refuses (optim.fsdp.rprop).
+    return (*(n for n in MODELLED if n != "Adamax"), "ASGD")
 
 
 @takes_world_size
