@@ -8,7 +8,8 @@ implementation choices (single-tensor, foreach or fused kernels, ``lerp`` or mul
 - SGD: ``g = ±grad + wd*p``; with momentum the buffer starts as ``g`` and then becomes
   ``momentum*buf + (1-dampening)*g``; Nesterov steps along ``g + momentum*buf``, plain
   momentum along ``buf``; ``p -= lr*step``. ``maximize`` negates the gradient first.
-- Adam: ``t += 1``; ``g = ±grad + wd*p`` (AdamW instead multiplies ``p`` by ``1 - lr*wd``);
+- Adam: ``t += 1``; ``g = ±grad + wd*p`` (AdamW, and Adam with ``decoupled_weight_decay``,
+  instead multiplies ``p`` by ``1 - lr*wd``);
   ``m = b1*m + (1-b1)*g``; ``v = b2*v + (1-b2)*g²``; AMSGrad keeps the running maximum of
   ``v``; ``p -= lr/(1-b1^t) * m / (sqrt(v̂)/sqrt(1-b2^t) + eps)``.
 """
@@ -26,13 +27,20 @@ from specs import adaptive_optimizers
 
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "SGD": {"momentum": 0.0, "dampening": 0.0, "nesterov": False, "weight_decay": 0.0},
-    "Adam": {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False},
+    "Adam": {
+        "betas": (0.9, 0.999),
+        "eps": 1e-8,
+        "weight_decay": 0.0,
+        "amsgrad": False,
+        "decoupled_weight_decay": False,
+    },
     "AdamW": {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False},
     **adaptive_optimizers.DEFAULTS,
 }
 OPTIMIZERS = tuple(_DEFAULTS)
 """The optimizers modelled: SGD, Adam, AdamW here, the others in ``adaptive_optimizers``."""
-_COMMON = {"lr", "maximize"}
+# differentiable (autograd records the step) changes none of the algorithm's values
+_COMMON = {"lr", "maximize", "differentiable"}
 
 
 @dataclass
@@ -113,7 +121,7 @@ def _adam(
         state["v_max"] = np.zeros_like(param)
     state["t"] += 1
     g = _signed(grad, options)
-    if name == "AdamW":
+    if name == "AdamW" or options.get("decoupled_weight_decay", False):
         param = param * (1 - lr * weight_decay)
     else:
         g = g + weight_decay * param

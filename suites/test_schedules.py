@@ -1,7 +1,8 @@
 """Learning-rate schedules: torch.optim.lr_scheduler on every rank against the arithmetic its
 documentation states (specs/lr_schedules.py). The parity properties step the same scheduler
 on one device and sharded, so a scheduler that computes the wrong lr moves both sides alike;
-here every lr is held to the spec model."""
+here every lr is held to the spec model. The optimizer options torch refuses on the CPU are
+checked here too (test_optim_parity.py is at its size limit)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ from hypothesis import strategies as st
 from harness import World, parity
 from harness.cases.schedules import LAMBDA_FACTORS
 from harness.parity import assert_close, assert_equal_values
-from harness.profiles import costly
-from harness.strategies import schedule_cases
+from harness.profiles import costly, property_settings
+from harness.strategies import DTENSOR_UNSUPPORTED, schedule_cases, step_cases
 from specs.lr_schedules import trajectory
+from suites.checks.optim_refusals import refused_step_on_rank
 from suites.checks.training import schedules_on_rank
+
+PROPERTY = property_settings()
 
 # Float lrs: torch's chainable schedulers multiply the last lr by a factor each step where the
 # model evaluates the closed form once: a rounding a step (measured: within 4 ulps, 8.5e-16
@@ -77,3 +81,29 @@ def test_lr_schedules_match_the_spec_model(world: World, data: st.DataObject) ->
                 what=f"momentum [step, group] of {scheduler}",
                 why="float64 rounding of the anneal",
             )
+
+
+# What torch 2.13's optimizers assert at their first step where capturable=True and a
+# parameter is on the CPU (the docs: "Tensors are only capturable when on supported
+# accelerators"; the fused kernels serve it on the CPU and are not drawn here).
+CAPTURABLE_REFUSAL = ("AssertionError: If capturable=True, params", "must be on supported devices")
+
+
+@pytest.mark.spec("optim.flags.capturable_cpu_refused")
+@PROPERTY  # 21 ms an example at world size 2: the first step raises
+@given(data=st.data())
+def test_capturable_steps_on_the_cpu_are_refused(world: World, data: st.DataObject) -> None:
+    if world.device != "cpu":
+        pytest.skip(f"capturable serves {world.device} parameters (optim.flags.parity draws it)")
+    case = data.draw(
+        step_cases(world.world_size, dtensor_unsupported=DTENSOR_UNSUPPORTED, capturable=True),
+        label="case",
+    )
+    parity.attach(case.call())
+    parity.note_reference("torch.optim docs: capturable needs parameters on an accelerator")
+    for rank, error in enumerate(world.run(refused_step_on_rank, case)):
+        refused = error or "no error"
+        assert all(part in refused for part in CAPTURABLE_REFUSAL), (
+            f"rank {rank}: got {refused}, should be the AssertionError "
+            f"{' ... '.join(CAPTURABLE_REFUSAL)!r} [{case.call()}]"
+        )

@@ -5,19 +5,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import replace
-from functools import cache
 from typing import Any
 
 from hypothesis import strategies as st
 
 from harness.cases.comm_hooks import LOSSLESS
 from harness.cases.knobs import Knobs
-from harness.cases.schedules import TENSOR_LR
 from harness.cases.training import (
     CORE_OPTIMIZERS,
     FSDP_LAYOUTS,
-    FUSED,
-    FUSED_CPU_ONLY,
     IMPLEMENTATIONS,
     LAYOUTS,
     OPTIMIZERS,
@@ -44,8 +40,10 @@ from harness.strategies._common import (
 from harness.strategies.comm_hooks import comm_hooks
 from harness.strategies.ddp import ddp_options
 from harness.strategies.knobs import KNOB_FAMILIES, draw_knobs, precisions
+from harness.strategies.optim_configs import CAPTURABLE, LRS
+from harness.strategies.optim_configs import optim_configs as optim_configs
 from harness.strategies.placements import placements
-from harness.strategies.schedules import clippings, schedules
+from harness.strategies.schedules import clippings
 from specs.chunking import shard_sizes
 from specs.optimizers import OPTIMIZERS as MODELLED
 
@@ -75,157 +73,6 @@ def mlp_cases(draw: st.DrawFn, world_size: int) -> MLPCase:
         dtype=draw(st.sampled_from(("float64", "float32"))),
         seed=draw(seeds()),
     )
-
-
-_LRS = (0.1, 0.01, 0.001)
-
-
-@st.composite
-def _sgd_options(draw: st.DrawFn, momenta: tuple[float, ...]) -> tuple[tuple[str, Any], ...]:
-    momentum = draw(sampled(momenta))
-    # nesterov needs momentum and no dampening (torch raises otherwise)
-    nesterov = momentum > 0 and draw(st.booleans())
-    dampening = 0.0 if nesterov or momentum == 0 else draw(sampled((0.0, 0.1)))
-    return (
-        ("momentum", momentum),
-        ("dampening", dampening),
-        ("nesterov", nesterov),
-        ("weight_decay", draw(sampled((0.0, 0.01)))),
-        ("maximize", draw(st.booleans())),
-    )
-
-
-@st.composite
-def _adam_options(draw: st.DrawFn, decoupled: bool) -> tuple[tuple[str, Any], ...]:
-    decays = (0.01, 0.1) if decoupled else (0.0, 0.01)
-    return (
-        ("betas", draw(sampled(((0.9, 0.999), (0.8, 0.99))))),
-        ("weight_decay", draw(sampled(decays))),
-        ("amsgrad", draw(st.booleans())),
-        ("maximize", draw(st.booleans())),
-    )
-
-
-_Options = tuple[tuple[str, Any], ...]
-
-
-def _options(name: str, stateful: bool) -> st.SearchStrategy[_Options]:
-    if name == "SGD":
-        return _sgd_options((0.9,) if stateful else (0.0, 0.9))
-    if name in ("Adam", "AdamW"):
-        return _adam_options(decoupled=name == "AdamW")
-    return _OTHER_OPTIONS[name]
-
-
-@st.composite
-def _drawn(draw: st.DrawFn, /, **choices: Sequence[Any]) -> _Options:
-    """Each option one of its values (every value valid with every other)."""
-    return tuple((name, draw(sampled(tuple(values)))) for name, values in choices.items())
-
-
-_CAPTURABLE = ("Adam", "AdamW", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta", "ASGD", "Rprop")
-"""The optimizers with a ``capturable`` option."""
-_DECAYS = (0.0, 0.01)
-_BOTH = (False, True)
-# Values near each option's default and one that changes the arithmetic visibly within a
-# few steps (a short t0 starts ASGD's averaging, a large momentum_decay NAdam's schedule).
-_OTHER_OPTIONS = {
-    "Adagrad": _drawn(
-        lr_decay=(0.0, 0.1), weight_decay=_DECAYS, initial_accumulator_value=(0.0, 0.1),
-        eps=(1e-10, 1e-6), maximize=_BOTH,
-    ),
-    "RMSprop": _drawn(
-        alpha=(0.99, 0.9), eps=(1e-8, 1e-6), weight_decay=_DECAYS, momentum=(0.0, 0.9),
-        centered=_BOTH, maximize=_BOTH,
-    ),
-    "Adamax": _drawn(
-        betas=((0.9, 0.999), (0.8, 0.99)), eps=(1e-8, 1e-6), weight_decay=_DECAYS, maximize=_BOTH,
-    ),
-    "NAdam": _drawn(
-        betas=((0.9, 0.999), (0.8, 0.99)), weight_decay=_DECAYS, momentum_decay=(0.004, 0.1),
-        decoupled_weight_decay=_BOTH, maximize=_BOTH,
-    ),
-    "RAdam": _drawn(
-        betas=((0.9, 0.999), (0.8, 0.99)), weight_decay=_DECAYS, decoupled_weight_decay=_BOTH,
-        maximize=_BOTH,
-    ),
-    "Adadelta": _drawn(rho=(0.9, 0.5), eps=(1e-6, 1e-4), weight_decay=_DECAYS, maximize=_BOTH),
-    "ASGD": _drawn(
-        lambd=(1e-4, 1e-2), alpha=(0.75, 0.5), t0=(1e6, 1.0), weight_decay=_DECAYS, maximize=_BOTH,
-    ),
-    "Rprop": _drawn(
-        etas=((0.5, 1.2), (0.3, 1.5)), step_sizes=((1e-6, 50.0), (1e-4, 1.0)), maximize=_BOTH,
-    ),
-    "Adafactor": _drawn(
-        beta2_decay=(-0.8, -0.5), d=(1.0, 2.0), weight_decay=_DECAYS, maximize=_BOTH,
-    ),
-}  # fmt: skip
-
-
-def optim_configs(
-    *,
-    names: Sequence[str] = CORE_OPTIMIZERS,
-    impls: Sequence[str] = IMPLEMENTATIONS,
-    unsupported: frozenset[tuple[str, str]] = frozenset(),
-    stateful: bool = False,
-    groups: bool = True,
-    flags: bool = False,
-    accelerator: bool = False,
-) -> st.SearchStrategy[OptimConfig]:
-    """A ``torch.optim`` optimizer of ``names`` with valid hyper-parameters, a default,
-    foreach or fused (where it has one) implementation, sometimes a second parameter group
-    with its own lr and weight decay, and sometimes an lr schedule
-    (``strategies.schedules``). ``unsupported`` lists
-    ``(name, impl)`` pairs not to draw;
-    ``stateful`` draws only optimizers that keep state (SGD only with momentum);
-    ``groups=False`` never draws a second group or a scheduler. ``flags=True`` also draws
-    ``capturable`` (fused kernels; every kernel if ``accelerator``: torch 2.13's
-    others refuse CPU tensors) and a tensor learning rate (not for foreach without
-    ``capturable``, which torch refuses). ``accelerator``: the parameters live on an
-    accelerator, where fused Adagrad is not drawn (``cases.training.FUSED_CPU_ONLY``)."""
-    check_subset("names", names, OPTIMIZERS, non_empty=True)
-    check_subset("impls", impls, IMPLEMENTATIONS, non_empty=True)
-    pairs = tuple(
-        (n, i)
-        for n in names
-        for i in impls
-        if (n, i) not in unsupported and (i != "fused" or _has_fused(n, accelerator))
-    )
-    leaves_one = "pairs that leave some optimizer of names × impls to draw"
-    require(bool(pairs), "unsupported", sorted(unsupported), leaves_one)
-    return _optim_configs(pairs, stateful, groups, flags, accelerator)
-
-
-def _has_fused(name: str, accelerator: bool) -> bool:
-    return name in FUSED and not (accelerator and name in FUSED_CPU_ONLY)
-
-
-@cache
-@st.composite
-def _optim_configs(
-    draw: st.DrawFn,
-    pairs: tuple[tuple[str, str], ...],
-    stateful: bool,
-    groups: bool,
-    flags: bool,
-    accelerator: bool,
-) -> OptimConfig:
-    name, impl = draw(sampled(pairs))
-    lr = draw(sampled(_LRS))
-    second, scheduler = None, None
-    if groups and draw(st.booleans()):
-        second = (("lr", lr / 2), ("weight_decay", draw(sampled((0.0, 0.05)))))
-    if groups:
-        scheduler = draw(st.none() | schedules(name))
-    options = draw(_options(name, stateful))
-    tensor_lr = False
-    if flags:
-        takes = name in _CAPTURABLE and (impl == "fused" or accelerator)
-        capturable = takes and draw(st.booleans())
-        options = (*options, ("capturable", True)) if capturable else options
-        tensor_lr = name in TENSOR_LR and (impl != "foreach" or capturable)
-        tensor_lr = tensor_lr and draw(st.booleans())
-    return OptimConfig(name, impl, lr, options, second, scheduler, tensor_lr=tensor_lr)
 
 
 def parity_cases(
@@ -466,13 +313,18 @@ def step_cases(
     *,
     dtensor_unsupported: frozenset[tuple[str, str]] = frozenset(),
     differentiable: bool = False,
+    capturable: bool = False,
 ) -> StepCase:
     """1-4 float32/float64 parameters of shapes near the mesh's axis sizes, as plain tensors
     or as DTensors laid out by Shard/Replicate placements (uneven and empty shards), and any
     optimizer configuration of those ``specs.optimizers`` models (for DTensors none of the
-    ``dtensor_unsupported`` pairs); some parameters have no gradient at some steps.
+    ``dtensor_unsupported`` pairs), sometimes ``differentiable=True`` where its step
+    keeps to the model (``_may_differentiate``); some parameters have no gradient at some
+    steps.
     ``differentiable=True``: DTensors always, ``differentiable=True`` steps of the default
-    kernels (torch's foreach and fused kernels refuse autograd), a tensor lr sometimes."""
+    kernels (torch's foreach and fused kernels refuse autograd), a tensor lr sometimes.
+    ``capturable=True``: ``capturable=True`` on any optimizer that takes it (modelled or
+    not), default or foreach kernels (the fused ones serve it on the CPU)."""
     mesh = draw(mesh_shapes(world_size))
     count = draw(st.integers(1, 4))
     drawn = tuple(draw(shapes(max_ndim=2, near=max(mesh))) for _ in range(count))
@@ -480,22 +332,23 @@ def step_cases(
     if differentiable or draw(st.booleans()):
         laid_out = tuple(draw(placements(len(mesh), len(s), reduce_ops=())) for s in drawn)
     unsupported = dtensor_unsupported if laid_out is not None else frozenset()
-    impls = ("default",) if differentiable else IMPLEMENTATIONS
-    # Adamax's differentiable step unsqueezes in place, which torch 2.13's DTensor has no
-    # sharding strategy for (aten.unsqueeze_, Replicate too): not drawn there (README).
-    names = tuple(n for n in MODELLED if n != "Adamax") if differentiable else MODELLED
+    # torch's foreach and fused kernels refuse autograd; its fused ones serve capturable on
+    # the CPU (drawn by the parity properties' optim_flags)
+    impls: tuple[str, ...] = ("default",) if differentiable else IMPLEMENTATIONS
+    impls = ("default", "foreach") if capturable else impls
+    names = _step_names(differentiable=differentiable, capturable=capturable)
     optim = draw(optim_configs(names=names, unsupported=unsupported, groups=False, impls=impls))
+    if capturable:
+        optim = replace(optim, options=(*optim.options, ("capturable", True)))
     if differentiable:
-        # amsgrad and centered: torch 2.13's differentiable Adam (exp_avg_sq) and RMSprop
-        # (grad_avg) modify a state tensor in place after autograd saved it (one device
-        # raises from the second step on): not drawn.
-        dropped = ("amsgrad", "centered")
-        kept = tuple((k, v) for k, v in optim.options if k not in dropped)
-        options = (*kept, ("differentiable", True))
-        optim = replace(optim, options=options, tensor_lr=draw(st.booleans()))
+        optim = replace(_made_differentiable(optim), tensor_lr=draw(st.booleans()))
+    elif not capturable and _may_differentiate(optim, laid_out is not None):
+        optim = _made_differentiable(optim) if draw(st.booleans()) else optim
     steps = draw(st.integers(1, 4))
     pairs = [(step, index) for step in range(steps) for index in range(count)]
-    idle = () if differentiable else draw(st.lists(sampled(tuple(pairs)), unique=True).map(sorted))
+    # every parameter stepped: a step with no gradient to take never reaches a refusal
+    whole = differentiable or capturable
+    idle = () if whole else draw(st.lists(sampled(tuple(pairs)), unique=True).map(sorted))
     return StepCase(
         mesh_shape=mesh,
         shapes=drawn,
@@ -507,6 +360,44 @@ def step_cases(
         differentiable=differentiable,
         idle=tuple(idle),
     )
+
+
+ROUNDS_DIFFERENTIABLE = ("Adam", "AdamW", "NAdam")
+"""Optimizers whose differentiable step torch 2.13 computes in float32 scalars where its
+plain step takes Python floats: Adam's and AdamW's bias corrections (from the float32 step
+count: 4e-6 relative off the float64 model after one step of a float64 parameter), NAdam's
+two step factors (from its float32 mu_product). The differentiable property holds them to
+one device instead."""
+
+
+def _may_differentiate(optim: OptimConfig, dtensors: bool) -> bool:
+    """Whether a step case held to the spec model may draw ``differentiable=True``: default
+    kernels, not ``ROUNDS_DIFFERENTIABLE``, not Adamax on DTensors (its differentiable step
+    unsqueezes in place, which torch 2.13's DTensor has no sharding strategy for)."""
+    if optim.impl != "default" or optim.name in ROUNDS_DIFFERENTIABLE:
+        return False
+    return not (dtensors and optim.name == "Adamax")
+
+
+def _made_differentiable(optim: OptimConfig) -> OptimConfig:
+    """``optim`` with ``differentiable=True``, without amsgrad and centered: torch 2.13's
+    differentiable Adam (exp_avg_sq) and RMSprop (grad_avg) modify a state tensor in place
+    after autograd saved it (one device raises from the second step on)."""
+    dropped = ("amsgrad", "centered")
+    kept = tuple((k, v) for k, v in optim.options if k not in dropped)
+    return replace(optim, options=(*kept, ("differentiable", True)))
+
+
+def _step_names(*, differentiable: bool, capturable: bool) -> tuple[str, ...]:
+    if capturable:
+        return CAPTURABLE
+    if not differentiable:
+        return MODELLED
+    # The differentiable property's reference is one device, so unmodelled ASGD too. Not
+    # Adamax, whose differentiable step unsqueezes in place, which torch 2.13's DTensor has
+    # no sharding strategy for (aten.unsqueeze_, Replicate too: README); not Rprop, whose
+    # step torch 2.13's DTensor refuses (optim.fsdp.rprop).
+    return (*(n for n in MODELLED if n != "Adamax"), "ASGD")
 
 
 @takes_world_size
@@ -567,7 +458,7 @@ def join_cases(draw: st.DrawFn, world_size: int, *, options: bool = False) -> Jo
         dims=dims,
         inputs=draw(st.integers(1, 3)),
         epochs=draw(st.integers(1, 2)),
-        lr=draw(sampled(_LRS)),
+        lr=draw(sampled(LRS)),
         seed=draw(seeds()),
     )
     if not options:

@@ -185,14 +185,19 @@ class Stepped:
 def step_on_rank(ctx: RankContext, case: StepCase) -> Stepped:
     """``case.steps`` steps, each handed its gradients (a collective per DTensor to gather
     the results)."""
-    params = [torch.nn.Parameter(_laid_out(ctx, case, i, a)) for i, a in enumerate(case.params())]
+    params: list[torch.Tensor] = [
+        torch.nn.Parameter(_laid_out(ctx, case, i, a)) for i, a in enumerate(case.params())
+    ]
+    if dict(case.optim.options).get("differentiable", False):
+        # autograd records a differentiable step: it may not update a leaf in place
+        params = [param.clone() for param in params]
     optimizer = build_optimizer(case.optim, [{"params": params}])
     for step in range(case.steps):
         for i, (param, grad) in enumerate(zip(params, case.given_grads(step), strict=True)):
             param.grad = None if grad is None else _laid_out(ctx, case, i, grad)
         optimizer.step()
     grads = [None if p.grad is None else full_array(p.grad) for p in params]
-    return Stepped([full_array(p) for p in params], grads)
+    return Stepped([full_array(p.detach()) for p in params], grads)
 
 
 @dataclass(frozen=True)
