@@ -146,7 +146,10 @@ def _micro_batching(draw: st.DrawFn, chosen: Knobs, layout: str) -> tuple[Knobs,
         hold_all_reduce=hsdp and draw(st.booleans()),
         hold_reshard=draw(st.booleans()),
         mark_last_backward=draw(st.booleans()),
-        recurse=draw(st.booleans()),
+        # recurse=False holds the root's own group only, so the Linears are never held: one
+        # draw in four, the held paths staying the common case (mutate: at one in two, ci
+        # lost hsdp.partial_reduce_added_after_all_reduce)
+        recurse=draw(st.integers(0, 3)) > 0,
     )
     return chosen, draw(st.integers(2, 3))
 
