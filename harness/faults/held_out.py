@@ -228,6 +228,20 @@ a component it does not exercise (uneven inputs under Join, PowerSGD with severa
 RAdam and Rprop foreach kernels, clip_grad_value_, a scheduler built with last_epoch >= 0, CPU
 autocast around reentrant checkpointing, PrepareModuleInput's kwargs, ignored targets under
 loss_parallel).
+
+After the training-options work that followed (PrepareModuleInput/Output layouts with keyword
+inputs, join's options with uneven inputs, eps, capturable and differentiable drawn), the same
+command with suite ``ddp`` added caught ``tp.prepare_input_kwarg_not_redistributed``
+(tp.prepare.layouts, 3 examples); ``ddp.join_divides_by_active_ranks`` survives it (ddp.join.options
+gets 2 examples a world size at the dev profile) but is caught at the ci profile, world size 2
+(``mutate --suite optim_parity,ddp --profile ci``: ddp.join.options, 11 examples). Two more runs,
+``clip_grad_value_foreach_lower_bound_dropped`` and ``scheduler_resume_base_lrs_from_current_lr``,
+ended in a segmentation fault of a rank thread inside loss_parallel's backward
+(tp.loss_parallel.class_dim), a path neither patches: mutate scores a crash as caught, but they
+are not counted as caught here. Still surviving: PowerSGD's iteration count (no PowerSGD hook is
+drawn), the RAdam and Rprop foreach kernels' eps and maximize paths, clip_grad_value_'s lower
+clamp, a scheduler resumed with last_epoch, reentrant checkpointing under CPU autocast, and
+loss_parallel's mean over ignored targets.
 """
 
 from __future__ import annotations
