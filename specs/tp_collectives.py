@@ -71,11 +71,13 @@ def transformer_collectives(
     target's logit) and whose backward needs none (tp.loss_parallel.class_dim)."""
     require(tp >= 1, "tp", tp, ">= 1")
     require(n_layers >= 0, "n_layers", n_layers, ">= 0")
+    loss = LOSS_PARALLEL_ALL_REDUCES * parallel_loss
     if tp == 1:
-        return {}, {}, {}
+        # DTensor issues no collective over a one-rank mesh, but loss_parallel's log-softmax
+        # all-reduces its three values whatever the group's size (measured, torch 2.13)
+        return _nonzero({"all_reduce": loss}), {}, {}
     flags = _prefix_flags(n_layers, trainable)
     blocks, out_in = flags[:-1], flags[-1]["out_in"]
-    loss = LOSS_PARALLEL_ALL_REDUCES * parallel_loss
     if not sequence_parallel:
         forward = {"all_reduce": 2 + 2 * n_layers + loss, "all_gather": 1 - sharded_head}
         forward = _nonzero(forward)

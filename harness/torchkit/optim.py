@@ -173,11 +173,21 @@ def _mixed_precision_grads(
         losses.append(loss_sum)
     factor = case.knobs.divide_factor or case.data_parallel
     if reduces_each_micro_batch(case):
-        reduced = [_summed(list(micro)) / factor for micro in zip(*per_rank, strict=True)]
+        reduced = [_reduced(list(micro), case) / factor for micro in zip(*per_rank, strict=True)]
         _set_flat_grads(model, _summed(reduced))
     else:
-        _set_flat_grads(model, _summed([_summed(grads) for grads in per_rank]) / factor)
+        _set_flat_grads(model, _reduced([_summed(grads) for grads in per_rank], case) / factor)
     return sum(losses) / len(losses)
+
+
+def _reduced(by_rank: list[torch.Tensor], case: ParityCase) -> torch.Tensor:
+    """The data-parallel ranks' sum in FSDP's order: HSDP reduce-scatters within each
+    replica's shard group, then all-reduces the replicas' sums; one flat sum otherwise."""
+    size = case.shard_size
+    if case.layout != "hsdp" or size == len(by_rank):
+        return _summed(by_rank)
+    replicas = [by_rank[at : at + size] for at in range(0, len(by_rank), size)]
+    return _summed([_summed(replica) for replica in replicas])
 
 
 def reduces_each_micro_batch(case: ParityCase) -> bool:
