@@ -239,5 +239,7 @@ def precisions(draw: st.DrawFn, layers: int) -> Precision:
         layer_dtypes=tuple(draw(sampled(PRECISION_DTYPES)) for _ in range(layers)),
         root_dtype=draw(sampled((None, "bfloat16"))),
         output_dtype=draw(sampled((None, *PRECISION_DTYPES))),
-        root_casts_inputs=draw(st.booleans()),
+        # the root's cast of the inputs is the policy's common path: cast_forward_inputs=False
+        # one draw in four (at one in two, ci's draws lost fsdp.forward_kwargs_not_cast)
+        root_casts_inputs=draw(st.integers(0, 3)) > 0,
     )
