@@ -177,8 +177,8 @@ def _staging(
 
 
 @dataclass
-class ForwardingAllGather(_AllGather):  # type: ignore[misc,valid-type]  # torch ABC
-    """``all_gather_single`` into a buffer of its own allocating."""
+class _OwnStaging:
+    """A custom collective's ``allocate``: its staging buffers of its own, zeroed or not."""
 
     zeroed: bool = False
 
@@ -186,6 +186,11 @@ class ForwardingAllGather(_AllGather):  # type: ignore[misc,valid-type]  # torch
         self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         return _staging(size, dtype, device, self.zeroed)
+
+
+@dataclass
+class ForwardingAllGather(_OwnStaging, _AllGather):  # type: ignore[misc,valid-type]  # torch ABC
+    """``all_gather_single`` into a buffer of its own allocating."""
 
     def __call__(
         self,
@@ -198,16 +203,9 @@ class ForwardingAllGather(_AllGather):  # type: ignore[misc,valid-type]  # torch
 
 
 @dataclass
-class ForwardingReduceScatter(_ReduceScatter):  # type: ignore[misc,valid-type]  # torch ABC
+class ForwardingReduceScatter(_OwnStaging, _ReduceScatter):  # type: ignore[misc,valid-type]  # torch ABC
     """``reduce_scatter_single`` with the op FSDP chose, from a buffer of its own
     allocating."""
-
-    zeroed: bool = False
-
-    def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return _staging(size, dtype, device, self.zeroed)
 
     def __call__(
         self,
