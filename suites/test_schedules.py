@@ -12,13 +12,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness import World, parity
-from harness.cases.schedules import LAMBDA_FACTORS
+from harness.cases.schedules import LAMBDA_FACTORS, ScheduleCase
 from harness.parity import assert_close, assert_equal_values
 from harness.profiles import costly, property_settings
-from harness.strategies import DTENSOR_UNSUPPORTED, schedule_cases, step_cases
-from specs.lr_schedules import trajectory
+from harness.strategies import (
+    DTENSOR_UNSUPPORTED,
+    resumed_schedule_cases,
+    resumed_sequential_cases,
+    schedule_cases,
+    step_cases,
+)
+from specs.lr_schedules import Trajectory, trajectory
 from suites.checks.optim_refusals import refused_step_on_rank
-from suites.checks.training import schedules_on_rank
+from suites.checks.training import LrTrace, schedules_on_rank
 
 PROPERTY = property_settings()
 
@@ -38,7 +44,47 @@ WHY = "torch multiplies a factor per step, the model takes the closed form"
 def test_lr_schedules_match_the_spec_model(world: World, data: st.DataObject) -> None:
     case = data.draw(schedule_cases(world.world_size), label="case")
     parity.attach(case.call())
-    expected = [
+    expected = _model_trajectories(case)
+    _assert_traces_follow(world.run(schedules_on_rank, case), expected, case)
+
+
+# A resumed run's lrs are the uninterrupted run's: the same model trajectory, same tolerance.
+@pytest.mark.spec("optim.schedule.resumed_with_last_epoch")
+@costly(5)
+@given(data=st.data())
+def test_schedulers_resumed_with_last_epoch_go_on_as_before(
+    world: World, data: st.DataObject
+) -> None:
+    case = data.draw(resumed_schedule_cases(world.world_size), label="case")
+    parity.attach(case.call())
+    expected = _model_trajectories(case)
+    _assert_traces_follow(world.run(schedules_on_rank, case), expected, case)
+
+
+@pytest.mark.spec("optim.schedule.resumed_at_a_change")
+@costly(4)
+@given(data=st.data())
+def test_schedulers_resumed_where_they_change_the_lr(world: World, data: st.DataObject) -> None:
+    case = data.draw(resumed_schedule_cases(world.world_size, at_a_change=True), label="case")
+    parity.attach(case.call())
+    expected = _model_trajectories(case)
+    _assert_traces_follow(world.run(schedules_on_rank, case), expected, case)
+
+
+@pytest.mark.spec("optim.schedule.sequential_resumed_with_last_epoch")
+@costly(4)
+@given(data=st.data())
+def test_sequential_schedulers_resumed_past_a_milestone(world: World, data: st.DataObject) -> None:
+    case = data.draw(resumed_sequential_cases(world.world_size), label="case")
+    parity.attach(case.call())
+    expected = _model_trajectories(case)
+    _assert_traces_follow(world.run(schedules_on_rank, case), expected, case)
+
+
+def _model_trajectories(case: ScheduleCase) -> list[Trajectory]:
+    """Each scheduler's lrs and momenta as specs.lr_schedules models them, uninterrupted."""
+    parity.note_reference("plain Python: specs.lr_schedules (lr_scheduler's documented arithmetic)")
+    return [
         trajectory(
             schedule,
             case.lrs,
@@ -48,10 +94,16 @@ def test_lr_schedules_match_the_spec_model(world: World, data: st.DataObject) ->
         )
         for schedule in case.schedules
     ]
-    parity.note_reference("plain Python: specs.lr_schedules (lr_scheduler's documented arithmetic)")
+
+
+def _assert_traces_follow(
+    traced: list[list[LrTrace]], expected: list[Trajectory], case: ScheduleCase
+) -> None:
+    """Every rank's lrs and momenta, scheduler by scheduler, are the model's."""
+    __tracebackhide__ = True
     rtol, atol = LR_TOLERANCE[case.tensor_lr]
     dtype = "float32" if case.tensor_lr else "float64"
-    for rank, traces in enumerate(world.run(schedules_on_rank, case)):
+    for rank, traces in enumerate(traced):
         for index, (trace, want) in enumerate(zip(traces, expected, strict=True)):
             scheduler = f"scheduler {index} ({case.schedules[index].describe()}) on rank {rank}"
             assert_close(

@@ -16,12 +16,20 @@ from hypothesis import strategies as st
 from harness.cases.schedules import (
     LAMBDA_FACTORS,
     MOMENTUM_CYCLED,
+    RESUMABLE,
     Clipping,
     Schedule,
     ScheduleCase,
+    changes_lr_at,
 )
 from harness.cases.training import OPTIMIZERS, OptimConfig
-from harness.strategies import clippings, schedule_cases, schedules
+from harness.strategies import (
+    clippings,
+    resumed_schedule_cases,
+    resumed_sequential_cases,
+    schedule_cases,
+    schedules,
+)
 from harness.torchkit.optim import build_optimizer
 from harness.torchkit.schedules import build_scheduler, clip_gradients
 from specs.lr_schedules import trajectory
@@ -168,3 +176,50 @@ def test_every_drawn_schedule_case_steps_as_the_spec_model_says(case):
         )
         # float32 tensor lrs round at every step; the suite holds float lrs to a few ulps
         np.testing.assert_allclose(trace.lrs, want.lrs, rtol=1e-5, atol=1e-9)
+
+
+def test_a_resumed_case_refuses_a_resume_outside_its_steps_or_of_a_plateau():
+    with pytest.raises(ValueError, match=r"resume_after=0 must be None or in \[1, 3\)"):
+        _case(steps=3, resume_after=0)
+    with pytest.raises(ValueError, match=r"resume_after=3 must be None or in \[1, 3\)"):
+        _case(steps=3, resume_after=3)
+    plateau = Schedule("ReduceLROnPlateau")
+    with pytest.raises(ValueError, match=r"schedules' names='ReduceLROnPlateau' must be one of"):
+        _case(steps=3, schedules=(plateau,), metrics=(1.0,) * 3, resume_after=1)
+
+
+def test_changes_lr_at_names_the_epochs_where_each_scheduler_changes_the_lr():
+    step = Schedule("StepLR", (("step_size", 2),))
+    multi = Schedule("MultiStepLR", (("milestones", (1, 3)),))
+    constant = Schedule("ConstantLR", (("total_iters", 3),))
+    assert [e for e in range(1, 7) if changes_lr_at(step, e)] == [2, 4, 6]
+    assert [e for e in range(1, 7) if changes_lr_at(multi, e)] == [1, 3]
+    assert [e for e in range(1, 7) if changes_lr_at(constant, e)] == [3]
+    assert not any(changes_lr_at(Schedule("ExponentialLR"), e) for e in range(1, 7))
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=resumed_schedule_cases(1))
+def test_a_resumed_case_resumes_where_no_scheduler_changes_the_lr(case):
+    assert case.resume_after is not None and 1 <= case.resume_after < case.steps
+    assert not any(changes_lr_at(s, case.resume_after) for s in case.schedules)
+    assert {s.name for s in case.schedules} <= set(RESUMABLE) - {"SequentialLR"}
+    traces = schedules_on_rank(_OneDevice(), replace(case, placements=None))
+    for schedule, trace in zip(case.schedules, traces, strict=True):
+        want = trajectory(schedule, case.lrs, case.steps, lr_lambdas=LAMBDA_FACTORS)
+        np.testing.assert_allclose(trace.lrs, want.lrs, rtol=1e-5, atol=1e-9)
+
+
+@settings(max_examples=20, deadline=None)
+@given(case=resumed_schedule_cases(1, at_a_change=True))
+def test_a_case_resumed_at_a_change_resumes_where_its_scheduler_changes_the_lr(case):
+    (schedule,) = case.schedules
+    assert case.resume_after is not None and changes_lr_at(schedule, case.resume_after)
+
+
+@settings(max_examples=20, deadline=None)
+@given(case=resumed_sequential_cases(1))
+def test_a_sequential_case_resumes_past_its_milestone(case):
+    (schedule,) = case.schedules
+    (milestone,) = dict(schedule.options)["milestones"]
+    assert case.resume_after is not None and milestone < case.resume_after < case.steps

@@ -43,6 +43,9 @@ SCHEDULED_OPTIMIZERS = (*MOMENTUM_CYCLED, "Adagrad")
 """The optimizers a ``ScheduleCase`` steps: those, and one without a momentum."""
 TENSOR_LR = ("SGD", "Adam", "AdamW")
 """The optimizers whose documentation says their lr may be a tensor."""
+RESUMABLE = tuple(name for name in SCHEDULERS if name != "ReduceLROnPlateau")
+"""The schedulers a resumed run rebuilds with ``last_epoch``: ``ReduceLROnPlateau`` has none
+(its state is its ``state_dict``)."""
 PER_GROUP = {
     "OneCycleLR": ("max_lr", "base_momentum", "max_momentum"),
     "ReduceLROnPlateau": ("min_lr",),
@@ -189,10 +192,21 @@ class ScheduleCase:
     steps: int
     metrics: tuple[float, ...] = ()
     tensor_lr: bool = False
+    resume_after: int | None = None
+    """Resume every optimizer and scheduler after this many steps, as a run restored from a
+    checkpoint does: a new optimizer over the same parameters loaded with the old one's
+    ``state_dict()``, then the scheduler built anew with ``last_epoch=resume_after - 1``
+    (its constructor's own step brings it to epoch ``resume_after``, keeping the loaded lrs:
+    pytorch/pytorch#102261). None: never."""
 
     def __post_init__(self) -> None:
         check_one_of("dtype", self.dtype, ("float32", "float64"))
         check_one_of("optimizer", self.optimizer, SCHEDULED_OPTIMIZERS)
+        if self.resume_after is not None:
+            inside = 1 <= self.resume_after < self.steps
+            require(inside, "resume_after", self.resume_after, f"None or in [1, {self.steps})")
+            for schedule in self.schedules:
+                check_one_of("schedules' names", schedule.name, RESUMABLE)
         check_int("steps", self.steps)
         require(bool(self.schedules), "schedules", self.schedules, "at least one")
         require(bool(self.lrs), "lrs", self.lrs, "one initial lr per group, at least one")
@@ -235,8 +249,33 @@ class ScheduleCase:
         )
         lrs = [f"tensor({lr})" if self.tensor_lr else lr for lr in self.lrs]
         metrics = f", metrics {list(self.metrics)}" if self.metrics else ""
+        if self.resume_after is not None:
+            metrics += (
+                f", resumed after step {self.resume_after} (optimizer.load_state_dict, then "
+                f"the scheduler built with last_epoch={self.resume_after - 1})"
+            )
         return (
             f"{self.steps} step(s) of {[s.describe() for s in self.schedules]}{metrics}, each "
             f"over an {self.optimizer} with group lrs {lrs} ({self.dtype} params "
             f"{list(self.shapes)} as {layout}, param i in group i % {len(self.lrs)})"
         )
+
+
+def changes_lr_at(schedule: Schedule, epoch: int) -> bool:
+    """Whether a ``StepLR``, ``MultiStepLR`` or ``ConstantLR`` changes the lr on reaching
+    ``epoch`` (a decay, or the end of the constant factor): the epochs where a scheduler
+    rebuilt with ``last_epoch=epoch - 1`` applies that change a second time in torch 2.13
+    (the constructor's step; pytorch/pytorch#102261 was fixed for the others only). False
+    for every other scheduler."""
+    options = dict(schedule.options)
+    if schedule.name == "StepLR":
+        return epoch % int(options["step_size"]) == 0
+    if schedule.name == "MultiStepLR":
+        return epoch in options["milestones"]
+    if schedule.name == "ConstantLR":
+        return epoch == int(options.get("total_iters", 5))  # ConstantLR's default
+    return False
+
+
+REPEATS_ITS_CHANGE = ("StepLR", "MultiStepLR", "ConstantLR")
+"""The schedulers ``changes_lr_at`` speaks of."""

@@ -65,7 +65,14 @@ from harness.strategies.programs import (
     inplace_on_partial_cases,
     program_cases,
 )
-from harness.strategies.schedules import clip_cases, clippings, schedule_cases, schedules
+from harness.strategies.schedules import (
+    clip_cases,
+    clippings,
+    resumed_schedule_cases,
+    resumed_sequential_cases,
+    schedule_cases,
+    schedules,
+)
 from harness.strategies.state_dict import (
     layout_meshes,
     mid_step_cases,
@@ -159,6 +166,8 @@ __all__ = [
     "reshape_cases",
     "reshard_cases",
     "resume_cases",
+    "resumed_schedule_cases",
+    "resumed_sequential_cases",
     "save_load_cases",
     "scan_negative_dim_cases",
     "schedule_cases",

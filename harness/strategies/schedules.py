@@ -18,6 +18,8 @@ from harness.cases.schedules import (
     MOMENTUM_CYCLED,
     NONFINITE,
     PER_GROUP,
+    REPEATS_ITS_CHANGE,
+    RESUMABLE,
     SCHEDULED_OPTIMIZERS,
     SCHEDULERS,
     TENSOR_LR,
@@ -25,6 +27,7 @@ from harness.cases.schedules import (
     Clipping,
     Schedule,
     ScheduleCase,
+    changes_lr_at,
 )
 from harness.cases.training import OPTIMIZERS
 from harness.errors import check_int, check_one_of, check_subset
@@ -318,3 +321,74 @@ def _sequentials(draw: st.DrawFn, steps: int, groups: int) -> Schedule:
     milestone = st.just(0) | st.integers(0, steps + 1)
     milestones = sorted(draw(milestone) for _ in range(len(parts) - 1))
     return Schedule("SequentialLR", (("milestones", tuple(milestones)),), tuple(parts))
+
+
+@takes_world_size
+@st.composite
+def resumed_schedule_cases(
+    draw: st.DrawFn, world_size: int, *, at_a_change: bool = False
+) -> ScheduleCase:
+    """A ``schedule_cases`` case of 1-3 schedulers resumed after a drawn step
+    (``ScheduleCase.resume_after``): any scheduler but ``ReduceLROnPlateau`` (no
+    ``last_epoch``) and ``SequentialLR`` (``resumed_sequential_cases``), none changing the lr
+    at the resumed epoch where torch 2.13 changes it twice (``changes_lr_at``: such a
+    scheduler's option is moved off that epoch). ``at_a_change``: one ``StepLR``,
+    ``MultiStepLR`` or ``ConstantLR`` resumed exactly where it changes the lr."""
+    base = draw(schedule_cases(world_size))
+    steps = max(base.steps, 4 if at_a_change else 2)
+    by_name = _by_name(base.optimizer in MOMENTUM_CYCLED, steps, len(base.lrs))
+    if at_a_change:
+        schedule = draw(by_name[draw(sampled(REPEATS_ITS_CHANGE))])
+        changes = tuple(epoch for epoch in range(1, steps) if changes_lr_at(schedule, epoch))
+        return dataclasses.replace(
+            base,
+            schedules=(schedule,),
+            steps=steps,
+            metrics=(),
+            resume_after=draw(sampled(changes)),
+        )
+    after = draw(st.integers(1, steps - 1))
+    names = tuple(name for name in RESUMABLE if name != "SequentialLR")
+    count = draw(st.integers(1, 3))
+    scheduled = tuple(_off(draw(by_name[draw(sampled(names))]), after) for _ in range(count))
+    return dataclasses.replace(
+        base, schedules=scheduled, steps=steps, metrics=(), resume_after=after
+    )
+
+
+def _off(schedule: Schedule, epoch: int) -> Schedule:
+    """``schedule`` with the option that makes it change the lr at ``epoch`` moved past it."""
+    if not changes_lr_at(schedule, epoch):
+        return schedule
+    options = dict(schedule.options)
+    if schedule.name == "StepLR":
+        options["step_size"] = epoch + 1
+    elif schedule.name == "MultiStepLR":
+        kept = tuple(m for m in options["milestones"] if m != epoch)
+        options["milestones"] = kept or (epoch + 1,)
+    else:
+        options["total_iters"] = epoch + 1
+    return dataclasses.replace(schedule, options=tuple(sorted(options.items())))
+
+
+@takes_world_size
+@st.composite
+def resumed_sequential_cases(draw: st.DrawFn, world_size: int) -> ScheduleCase:
+    """A ``SequentialLR`` of two schedulers that change the lr every step (``StepLR`` of
+    step 1 or ``ExponentialLR``, then ``ExponentialLR``), resumed after a step past its
+    milestone: the path pytorch/pytorch#162591 reports."""
+    base = draw(schedule_cases(world_size))
+    steps = max(base.steps, 3)
+    gamma = sampled((0.5, 0.9))
+    first = st.one_of(
+        _schedule("StepLR", step_size=st.just(1), gamma=gamma),
+        _schedule("ExponentialLR", gamma=gamma),
+    )
+    milestone = draw(st.integers(1, steps - 2))
+    sequential = _sequential(
+        [draw(first), draw(_schedule("ExponentialLR", gamma=gamma))], milestone
+    )
+    after = draw(st.integers(milestone + 1, steps - 1))
+    return dataclasses.replace(
+        base, schedules=(sequential,), steps=steps, metrics=(), resume_after=after
+    )

@@ -37,13 +37,18 @@ def build_scheduler(config: OptimConfig, optimizer: torch.optim.Optimizer) -> Sc
     return build_schedule(config.scheduler, optimizer)
 
 
-def build_schedule(schedule: Schedule, optimizer: torch.optim.Optimizer) -> Scheduled:
+def build_schedule(
+    schedule: Schedule, optimizer: torch.optim.Optimizer, *, last_epoch: int | None = None
+) -> Scheduled:
     """``schedule`` built over ``optimizer`` (its ``lr_lambda`` names made the functions of
-    ``cases.schedules.LAMBDA_FACTORS``, one or one per group)."""
-    return Scheduled(_build(schedule, optimizer))
+    ``cases.schedules.LAMBDA_FACTORS``, one or one per group); ``last_epoch`` given to the
+    scheduler itself (a ``SequentialLR``'s parts are built as new) where it is not None."""
+    return Scheduled(_build(schedule, optimizer, last_epoch))
 
 
-def _build(schedule: Schedule, optimizer: torch.optim.Optimizer) -> Any:
+def _build(
+    schedule: Schedule, optimizer: torch.optim.Optimizer, last_epoch: int | None = None
+) -> Any:
     cls = getattr(torch.optim.lr_scheduler, schedule.name)
     options = dict(schedule.options)
     if "lr_lambda" in options:
@@ -54,6 +59,8 @@ def _build(schedule: Schedule, optimizer: torch.optim.Optimizer) -> Any:
         )
     if schedule.parts:
         options["schedulers"] = [_build(part, optimizer) for part in schedule.parts]
+    if last_epoch is not None:
+        options["last_epoch"] = last_epoch
     return cls(optimizer, **options)
 
 

@@ -26,7 +26,7 @@ from harness.torchkit.optim import (
     Trained,
     build_optimizer,
 )
-from harness.torchkit.schedules import build_schedule, clip_gradients
+from harness.torchkit.schedules import Scheduled, build_schedule, clip_gradients
 from harness.torchkit.training import (
     data_parallel_ranks,
     optimizer_for,
@@ -324,7 +324,24 @@ def schedules_on_rank(ctx: RankContext, case: ScheduleCase) -> list[LrTrace]:
                 scheduler.step()
             trace.lrs.append(_lrs(optimizer))
             trace.momenta.append(_momenta(optimizer))
+        if step + 1 == case.resume_after:
+            optimizers, schedulers = _resumed(case, params, optimizers)
     return traces
+
+
+def _resumed(
+    case: ScheduleCase, params: list[torch.nn.Parameter], optimizers: list[torch.optim.Optimizer]
+) -> tuple[list[torch.optim.Optimizer], list[Scheduled]]:
+    """New optimizers loaded with the old ones' state dicts, then their schedulers built
+    with ``last_epoch`` one short of the steps taken (``ScheduleCase.resume_after``)."""
+    assert case.resume_after is not None, "only a resumed case is resumed"
+    resumed, schedulers = [], []
+    for schedule, old in zip(case.schedules, optimizers, strict=True):
+        optimizer = _grouped_optimizer(case, params)
+        optimizer.load_state_dict(old.state_dict())
+        resumed.append(optimizer)
+        schedulers.append(build_schedule(schedule, optimizer, last_epoch=case.resume_after - 1))
+    return resumed, schedulers
 
 
 def _grouped_optimizer(
