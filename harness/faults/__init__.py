@@ -10,10 +10,12 @@ gradients, result metadata, factories), ``placements_meshes``, ``uneven``,
 ``optim_kernels`` (optimizer kernels, clip_grad_norm_), ``optim_training_surface``
 (activation checkpointing, DDP hooks, clipping, lr schedulers, more optimizers), ``zero``,
 ``fsdp_init``,
-``state_dict_dcp`` (distributed checkpoints), ``state_dict_api`` (the distributed
-state-dict API), ``hsdp``, ``tp``, ``ops_rules`` (the sharding rules of DTensor's ops:
-reductions, norms, losses, pointwise, foreach, random and matmul ops) and ``ops_rules_views``
-(views and indexing ops); ``_wraps`` holds the wraps faults of several areas share.
+``state_dict_dcp`` (distributed checkpoints), ``state_dict_checkpoints`` (DCP's planner,
+storage and async_save options), ``state_dict_api`` (the distributed state-dict API),
+``state_dict_options`` (its StateDictOptions), ``hsdp``, ``tp``, ``ops_rules`` (the sharding
+rules of DTensor's ops: reductions, norms, losses, pointwise, foreach, random and matmul ops)
+and ``ops_rules_views`` (views and indexing ops); ``_wraps`` holds the wraps faults of several
+areas share.
 How each fault was written is data on it (``Fault.origin``): with the property, or blind in a
 held-out set from upstream reports (``held_out`` records what each set found). Each patch was
 written for torch 2.13: a target that is gone raises ``FaultError`` when applied.
@@ -51,7 +53,9 @@ from harness.faults import (
     placements_meshes,
     placements_rules,
     state_dict_api,
+    state_dict_checkpoints,
     state_dict_dcp,
+    state_dict_options,
     tp,
     tp_options,
     uneven,
@@ -77,6 +81,8 @@ _ALL = (
     *fsdp_init.FAULTS,
     *state_dict_dcp.FAULTS,
     *state_dict_api.FAULTS,
+    *state_dict_checkpoints.FAULTS,
+    *state_dict_options.FAULTS,
     *hsdp.FAULTS,
     *tp.FAULTS,
     *tp_options.FAULTS,
