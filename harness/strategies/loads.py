@@ -90,7 +90,10 @@ def mismatch_cases(
     check_one_of("mismatch", mismatch, MISMATCHES)
     check_one_of("via", via, MISMATCH_VIAS)
     sizes = _sizes(load_sizes) if via == "dcp" else (world_size,)
-    reshard = draw(reshard_cases(world_size, sizes, layouts=SHARDED_LAYOUTS))
+    # torch 2.13: a full state dict of another dtype set into an FSDP+TP model raises a bare
+    # AssertionError in torch where FSDP and HSDP cast as documented: not drawn
+    layouts = UNTP_LAYOUTS if (mismatch, via) == ("dtype", "set_full") else SHARDED_LAYOUTS
+    reshard = draw(reshard_cases(world_size, sizes, layouts=layouts))
     save, load = _float(reshard.save), reshard.load
     load = replace(load, train=replace(load.train, dtype=save.train.dtype))
     return MismatchCase(_untrained_reshard(ReshardCase(save, load)), mismatch, via)
@@ -106,10 +109,10 @@ def options_cases(draw: st.DrawFn, world_size: int) -> OptionsCase:
     linears = sorted({int(k.split(".")[0]) for k in keys})
     submodule = draw(st.none() | sampled(tuple(linears)))
     ignore_frozen = draw(st.booleans())
-    if submodule is not None and any(k.startswith(f"{submodule}.") for k in frozen):
+    if submodule is not None and frozen:
         # torch 2.13: submodules= (deprecated since 2.5) with ignore_frozen_params=True
-        # raises KeyError naming the submodule's frozen key (it looks up every parameter
-        # of the submodule in the state dict that left them out): not drawn
+        # and a frozen parameter anywhere raises KeyError naming it on every rank (it looks
+        # up every parameter in the state dict that left them out): not drawn
         ignore_frozen = False
     return OptionsCase(
         case,
