@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
