@@ -27,6 +27,14 @@ from harness.strategies.hsdp import (
     sync_cases,
 )
 from harness.strategies.knobs import KNOB_FAMILIES
+from harness.strategies.loads import (
+    failed_save_cases,
+    mismatch_cases,
+    options_cases,
+    partial_load_cases,
+    single_process_cases,
+    strict_set_cases,
+)
 from harness.strategies.meshes import mesh_cases
 from harness.strategies.modules import (
     container_cases,
@@ -127,6 +135,7 @@ __all__ = [
     "extremum_to_shard_cases",
     "factorisations",
     "factory_cases",
+    "failed_save_cases",
     "fitting_overlap_cases",
     "flatten_empty_cases",
     "flattened_cases",
@@ -147,15 +156,18 @@ __all__ = [
     "mesh_mlp_cases",
     "mesh_shapes",
     "mid_step_cases",
+    "mismatch_cases",
     "mlp_cases",
     "module_graphs",
     "op_cases",
     "opinfo_cases",
     "optim_configs",
+    "options_cases",
     "overlap_cases",
     "owns_subtree",
     "params_cases",
     "parity_cases",
+    "partial_load_cases",
     "partial_sum_integer_cases",
     "partial_target_cases",
     "partition_cases",
@@ -175,8 +187,10 @@ __all__ = [
     "seeds",
     "shapes",
     "shard_dim_cases",
+    "single_process_cases",
     "state_dict_cases",
     "step_cases",
+    "strict_set_cases",
     "strided_disagreement_cases",
     "strided_disagreement_world_sizes",
     "strided_meshes",

@@ -90,6 +90,7 @@ _SCHEDULERS = (
     "SequentialLR OneCycleLR ReduceLROnPlateau"
 )
 _WRAPPER = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
+_FORMAT_UTILS = "torch.distributed.checkpoint.format_utils"
 
 CALLABLES: tuple[Entry, ...] = (
     *_entries("dtensor", "torch.distributed.tensor", _DTENSOR),
@@ -109,6 +110,11 @@ CALLABLES: tuple[Entry, ...] = (
     *_entries("ddp_zero", "torch.distributed.optim", "ZeroRedundancyOptimizer"),
     *_entries("state_dict", "torch.distributed.checkpoint.state_dict", _STATE_DICT),
     *_entries("state_dict", "torch.distributed.checkpoint", _DCP),
+    # checkpoint loads: a checkpoint's directory and a torch.save file are the call's data
+    *(
+        Entry("state_dict", f"{_FORMAT_UTILS}:{name}", ("dcp_checkpoint_dir", "torch_save_path"))
+        for name in ("dcp_to_torch_save", "torch_save_to_dcp")
+    ),
     *_entries("optim", "torch.optim", _OPTIMIZERS),
     *_entries("optim", "torch.optim.lr_scheduler", _SCHEDULERS),
     *_entries("optim", "torch.nn.utils", "clip_grad_norm_ clip_grad_value_ get_total_norm"),

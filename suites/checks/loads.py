@@ -1,0 +1,278 @@
+"""Rank functions of the checkpoint-loads suite: loads given what does not fit the model
+(keys missing or unexpected, another shape or dtype), the StateDictOptions that choose a
+state dict's keys, and a save that fails on one rank. The driver-side reads of a checkpoint
+without a process group are here too (``read_*``): they touch torch, the suite does not.
+
+Every model is an untrained ``build_mlp`` under the case's layout: a fresh model is one of
+another seed, so whatever a load leaves out shows. Values go back as numpy arrays.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from harness import RankContext
+from harness.cases.loads import FailedSaveCase, MismatchCase, OptionsCase, StrictSetCase
+from harness.cases.state_dict import StateDictCase
+from harness.torchkit.models import build_mlp
+from harness.torchkit.training import parallelize
+from suites.checks.state_dict import _full, fsdp_options
+from suites.checks.state_dict_full import plain
+
+Values = dict[str, np.ndarray]
+
+
+def model_of(ctx: RankContext, case: StateDictCase, frozen: tuple[str, ...] = ()) -> nn.Module:
+    """The case's MLP (its seed, untrained) under its layout, ``frozen`` parameters set to
+    ``requires_grad=False`` before it is sharded."""
+    model = build_mlp(case.train, ctx.device)
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
+    wrapped, _ = parallelize(model, case.train, ctx, **fsdp_options(case))
+    return wrapped
+
+
+def values_of(model: nn.Module) -> Values:
+    """Every parameter's full value (a collective on sharded ones)."""
+    return {name: _full(param) for name, param in model.named_parameters()}
+
+
+def error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def save_model_on_rank(ctx: RankContext, case: StateDictCase, directory: str) -> Values:
+    """``dcp.save`` of the model's (sharded) state dict; the values saved."""
+    model = model_of(ctx, case)
+    dcp_save(get_model_state_dict(model), checkpoint_id=directory)
+    return values_of(model)
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A load into a fresh model: what it raised, the model's values before and after."""
+
+    error: str | None
+    fresh: Values
+    loaded: Values
+    dtypes: dict[str, str]
+
+
+def _load_into(
+    model: nn.Module, directory: str, planner: DefaultLoadPlanner | None = None
+) -> str | None:
+    """``dcp.load`` into the model's own state dict (in place), then set it; the error."""
+    try:
+        state_dict = get_model_state_dict(model)
+        dcp_load(state_dict, checkpoint_id=directory, planner=planner)
+        set_model_state_dict(model, state_dict)
+    except (Exception, CheckpointException) as exc:  # a BaseException, wrapping every rank's
+        return error_text(exc)
+    return None
+
+
+def _loaded(model: nn.Module, fresh: Values, error: str | None) -> Loaded:
+    dtypes = {
+        name: str(param.dtype).removeprefix("torch.") for name, param in model.named_parameters()
+    }
+    return Loaded(error, fresh, values_of(model), dtypes)
+
+
+def load_model_on_rank(
+    ctx: RankContext, case: StateDictCase, directory: str, partial: bool = False
+) -> Loaded:
+    """``dcp.load`` of ``directory`` into the case's model (the default planner, or
+    ``DefaultLoadPlanner(allow_partial_load=True)``)."""
+    model = model_of(ctx, case)
+    fresh = values_of(model)
+    planner = DefaultLoadPlanner(allow_partial_load=True) if partial else None
+    return _loaded(model, fresh, _load_into(model, directory, planner))
+
+
+# --- strict and non-strict set_*state_dict ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StrictSet:
+    """The state dict given, and what setting it into the changed model did."""
+
+    saved: Values
+    result: Loaded
+    incompatible: tuple[list[str], list[str]] | None
+    """The returned (missing, unexpected) keys; None where it raised."""
+
+
+def strict_set_on_rank(ctx: RankContext, case: StrictSetCase) -> StrictSet:
+    source = model_of(ctx, case.case)
+    state_dict = get_model_state_dict(source, options=StateDictOptions(full_state_dict=case.full))
+    saved = values_of(source)
+    model = model_of(ctx, case.loading)
+    fresh = values_of(model)
+    options = StateDictOptions(full_state_dict=case.full, strict=case.strict)
+    try:
+        if case.joint:
+            keys = set_state_dict(
+                model, [], model_state_dict=state_dict, optim_state_dict={}, options=options
+            )
+        else:
+            keys = set_model_state_dict(model, state_dict, options=options)
+    except Exception as exc:
+        return StrictSet(saved, _loaded(model, fresh, error_text(exc)), None)
+    incompatible = (sorted(keys.missing_keys), sorted(keys.unexpected_keys))
+    return StrictSet(saved, _loaded(model, fresh, None), incompatible)
+
+
+# --- another shape or dtype -------------------------------------------------------------------
+
+
+def mismatch_set_on_rank(ctx: RankContext, case: MismatchCase) -> tuple[Values, Loaded]:
+    """``set_model_state_dict`` of the saving model's full or sharded state dict into the
+    mismatched model on the same ranks; (the values given, the load)."""
+    source = model_of(ctx, case.reshard.save)
+    full = StateDictOptions(full_state_dict=case.via == "set_full")
+    state_dict = get_model_state_dict(source, options=full)
+    model = model_of(ctx, case.loading)
+    fresh = values_of(model)
+    try:
+        set_model_state_dict(model, state_dict, options=full)
+        error = None
+    except Exception as exc:
+        error = error_text(exc)
+    return values_of(source), _loaded(model, fresh, error)
+
+
+# --- StateDictOptions --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OptionsSeen:
+    """What ``get_model_state_dict`` gave (keys, values, devices of its tensors), and the
+    load of the whole model's state dict into a fresh model (None when a submodule's)."""
+
+    keys: list[str]
+    values: dict[str, Any]
+    devices: set[str]
+    set_error: str | None
+    incompatible: tuple[list[str], list[str]] | None
+    fresh: Values
+    loaded: Values
+
+
+def options_on_rank(ctx: RankContext, case: OptionsCase) -> OptionsSeen:
+    model = model_of(ctx, case.case, case.frozen)
+    options = StateDictOptions(
+        full_state_dict=case.full,
+        cpu_offload=case.cpu_offload,
+        ignore_frozen_params=case.ignore_frozen,
+        keep_submodule_prefixes=case.keep_prefixes,
+    )
+    submodules = None if case.submodule is None else {model.get_submodule(str(case.submodule))}
+    state_dict = get_model_state_dict(model, submodules=submodules, options=options)
+    devices = {v.device.type for v in state_dict.values() if isinstance(v, torch.Tensor)}
+    keys, values = list(state_dict), plain(state_dict)
+    if case.submodule is not None or (case.full and case.cpu_offload):
+        # a submodule's keys are not the model's; a full state dict offloaded to the CPU
+        # is rank 0's alone (set it with broadcast_from_rank0: the full suite's spec)
+        return OptionsSeen(keys, values, devices, None, None, {}, {})
+    target = model_of(ctx, fresh_case(case.case), case.frozen)
+    fresh = values_of(target)
+    setting = StateDictOptions(full_state_dict=case.full, strict=case.strict)
+    try:
+        result = set_model_state_dict(target, state_dict, options=setting)
+    except Exception as exc:
+        return OptionsSeen(keys, values, devices, error_text(exc), None, fresh, values_of(target))
+    incompatible = (sorted(result.missing_keys), sorted(result.unexpected_keys))
+    return OptionsSeen(keys, values, devices, None, incompatible, fresh, values_of(target))
+
+
+def fresh_case(case: StateDictCase) -> StateDictCase:
+    """``case`` from another seed."""
+    return replace(case, train=replace(case.train, seed=(case.train.seed + 1) % 2**32))
+
+
+# --- a save that fails --------------------------------------------------------------------------
+
+
+class FailingWriter(FileSystemWriter):
+    """A ``FileSystemWriter`` whose ``write_data`` raises ``OSError`` where ``fails``: a rank
+    whose storage fails mid-save (as root, an unwritable directory is no such failure)."""
+
+    def __init__(self, path: str, *, fails: bool) -> None:
+        super().__init__(path)
+        self.fails = fails
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        if self.fails:
+            raise OSError("injected: no space left on device")
+        return super().write_data(plan, planner)
+
+
+@dataclass(frozen=True)
+class SaveFailure:
+    """What the failing save raised on one rank: its type, the ranks a CheckpointException
+    names as failed, and its text (None, None, None: it raised nothing)."""
+
+    kind: str | None
+    failed_ranks: list[int] | None
+    text: str | None
+
+
+def failing_save_on_rank(ctx: RankContext, case: FailedSaveCase, directory: str) -> SaveFailure:
+    model = model_of(ctx, case.second)
+    writer = FailingWriter(directory, fails=ctx.rank == case.failing_rank)
+    try:
+        dcp_save(get_model_state_dict(model), storage_writer=writer)
+    except CheckpointException as exc:
+        return SaveFailure(type(exc).__name__, sorted(exc.failures), error_text(exc))
+    except Exception as exc:
+        return SaveFailure(type(exc).__name__, None, error_text(exc))
+    return SaveFailure(None, None, None)
+
+
+# --- without a process group (driver side) -----------------------------------------------------
+
+
+def read_without_group(directory: str, like: Values) -> Values:
+    """``dcp.load(no_dist=True)`` into plain zero tensors of ``like``'s shapes and dtypes."""
+    state_dict = {k: torch.zeros(v.shape, dtype=_dtype(v)) for k, v in like.items()}
+    dcp_load(state_dict, checkpoint_id=directory, no_dist=True)
+    return {k: v.numpy() for k, v in state_dict.items()}
+
+
+def read_as_torch_save(directory: str, path: str) -> Values:
+    """``dcp_to_torch_save(directory, path)``, then ``torch.load(path)``."""
+    dcp_to_torch_save(directory, path)
+    loaded = torch.load(path, weights_only=True)
+    return {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in loaded.items()}
+
+
+def write_from_torch_save(like: Values, path: str, directory: str) -> None:
+    """``torch.save`` of ``like`` as tensors at ``path``, then ``torch_save_to_dcp``."""
+    torch.save({k: torch.from_numpy(v.copy()) for k, v in like.items()}, path)
+    torch_save_to_dcp(path, directory)
+
+
+def _dtype(array: np.ndarray) -> torch.dtype:
+    return torch.from_numpy(np.zeros(0, dtype=array.dtype)).dtype
+
+
+def metadata_exists(directory: str) -> bool:
+    return os.path.exists(os.path.join(directory, ".metadata"))

@@ -1,0 +1,302 @@
+"""Loads that do not fit the model, and checkpoints read or written the hard way: a strict
+load refuses what does not fit and a partial one fills exactly what is there (dcp.load's
+planner, set_*state_dict's strict); a tensor of another shape or dtype is refused or, where
+torch documents it, cast; the StateDictOptions that choose a state dict's keys (frozen
+parameters, submodules); a checkpoint saved at N ranks read without a process group (and
+through torch.save files); a save that fails on one rank.
+
+Every comparison is exact: loading moves values, and a documented cast is numpy's cast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from harness import World, Worlds, parity
+from harness.cases.loads import linear_keys
+from harness.parity import assert_array_equal, assert_equal_values, failure
+from harness.profiles import costly
+from harness.strategies import (
+    failed_save_cases,
+    mismatch_cases,
+    options_cases,
+    partial_load_cases,
+    single_process_cases,
+    strict_set_cases,
+)
+from harness.torchkit.models import build_mlp
+from suites.checks import loads as checks
+from suites.checks.loads import Loaded, Values
+
+# Each example builds one or two sharded models (no training) and most write and read a
+# checkpoint: 0.2-0.8 s on threads, so the floor of 8 examples at world size 2 (ci, ws1-4:
+# state_dict_options 4 s, single_process 14 s).
+PROPERTY = costly(12)
+# A property split over parameters (each a test of its own): 2 examples each at world size 2
+# (ci, ws1-4: failed_save 7 s, mismatch_refused 18 s, strict_and_partial 23 s).
+SPLIT = costly(50)
+
+
+@contextlib.contextmanager
+def _checkpoints() -> Iterator[str]:
+    """A directory every rank of every World sees (made and removed by the driver)."""
+    root = tempfile.mkdtemp(prefix="distconf-loads-")
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _refused_naming(errors: Sequence[str | None], keys: Sequence[str], what: str) -> None:
+    """Every rank raised, naming at least one of ``keys``."""
+    for rank, error in enumerate(errors):
+        if error is None or not any(key in error for key in keys):
+            raise failure(
+                f"{what}, rank {rank} of {len(errors)}: got {error!r}, should be an error "
+                f"naming one of {list(keys)}"
+            )
+
+
+def _assert_values(got: Values, want: Values, keys: Sequence[str], what: str) -> None:
+    for key in keys:  # exact: loading copies values
+        assert_array_equal(got[key], want[key], what=f"{key} {what}")
+
+
+# --- strict and partial loads -------------------------------------------------------------
+
+
+@pytest.mark.spec("state_dict.loads.strict_and_partial")
+@pytest.mark.parametrize("change", ["grown", "shrunk"])
+@SPLIT
+@given(data=st.data())
+def test_dcp_strict_load_refuses_missing_keys_and_a_partial_load_fills_what_is_there(
+    world: World, worlds: Worlds, data: st.DataObject, change: str
+) -> None:
+    case = data.draw(partial_load_cases(world.world_size, worlds.sizes, change), label="case")
+    parity.attach(case.call())
+    saved_keys = linear_keys(case.reshard.save.train.dims, case.reshard.save.train.bias)
+    keys = linear_keys(case.loading.train.dims, case.loading.train.bias)
+    missing = [k for k in keys if k not in saved_keys]
+    loading = worlds.get(case.loading_size)
+    with _checkpoints() as root:
+        saved = world.run(checks.save_model_on_rank, case.reshard.save, root)[0]
+        strict = loading.run(checks.load_model_on_rank, case.loading, root)
+        partial = loading.run(checks.load_model_on_rank, case.loading, root, True)
+    if missing:
+        what = "dcp.load (default planner) of a checkpoint lacking keys"
+        _refused_naming([seen.error for seen in strict], missing, what)
+    else:  # documented: only a key of the state dict missing from the checkpoint is refused
+        for rank, seen in enumerate(strict):
+            what = f"dcp.load (default planner) of a checkpoint with extra keys, rank {rank}"
+            assert_equal_values(seen.error, None, what=f"error of {what}")
+            _assert_values(seen.loaded, saved, keys, f"after {what}")
+    for rank, seen in enumerate(partial):
+        what = f"after dcp.load(allow_partial_load=True) on rank {rank}"
+        assert_equal_values(seen.error, None, what=f"error {what}")
+        _assert_values(seen.loaded, saved, [k for k in keys if k in saved_keys], what)
+        _assert_values(seen.loaded, seen.fresh, missing, f"(not in the checkpoint) {what}")
+
+
+@pytest.mark.spec("state_dict.loads.strict_and_partial")
+@pytest.mark.parametrize(
+    "given_state", ["sharded-grown", "sharded-shrunk", "full-grown", "full-shrunk"]
+)
+@SPLIT
+@given(data=st.data())
+def test_set_state_dict_strict_refuses_and_non_strict_reports_the_keys(
+    world: World, data: st.DataObject, given_state: str
+) -> None:
+    kind, change = given_state.split("-")
+    case = data.draw(strict_set_cases(world.world_size, change, kind == "full"), label="case")
+    parity.attach(case.call())
+    # the reference: nn.Module.load_state_dict(strict=False) on one device
+    source = build_mlp(case.case.train, torch.device("cpu")).state_dict()
+    keys = build_mlp(case.loading.train, torch.device("cpu")).load_state_dict(source, strict=False)
+    missing, unexpected = sorted(keys.missing_keys), sorted(keys.unexpected_keys)
+    how = "set_state_dict" if case.joint else "set_model_state_dict"
+    what = f"{how}(full_state_dict={case.full}, strict={case.strict})"
+    seen = world.run(checks.strict_set_on_rank, case)
+    if case.strict:
+        _refused_naming([s.result.error for s in seen], missing + unexpected, what)
+        return
+    for rank, got in enumerate(seen):
+        assert_equal_values(got.result.error, None, what=f"error of {what} on rank {rank}")
+        where = f"(missing, unexpected) keys {what} returned on rank {rank}"
+        assert_equal_values(got.incompatible, (missing, unexpected), what=where)
+        common = [k for k in got.result.loaded if k not in missing]
+        _assert_values(got.result.loaded, got.saved, common, f"after {what} on rank {rank}")
+        fresh = f"(missing) after {what} on rank {rank}"
+        _assert_values(got.result.loaded, got.result.fresh, missing, fresh)
+
+
+# --- another shape or dtype ---------------------------------------------------------------
+
+
+@pytest.mark.spec("state_dict.loads.mismatch_refused")
+@pytest.mark.parametrize(
+    "mismatch_via",
+    [
+        "shape-dcp",
+        "shape-set_full",
+        "shape-set_sharded",
+        "dtype-dcp",
+        "dtype-set_full",
+        "dtype-set_sharded",
+    ],
+)
+@SPLIT
+@given(data=st.data())
+def test_a_tensor_of_another_shape_or_dtype_is_refused_or_cast_as_documented(
+    world: World, worlds: Worlds, data: st.DataObject, mismatch_via: str
+) -> None:
+    mismatch, via = mismatch_via.split("-")
+    case = data.draw(mismatch_cases(world.world_size, worlds.sizes, mismatch, via), label="case")
+    parity.attach(case.call())
+    if via == "dcp":
+        with _checkpoints() as root:
+            saved = world.run(checks.save_model_on_rank, case.reshard.save, root)[0]
+            seen = worlds.get(case.load_size).run(checks.load_model_on_rank, case.loading, root)
+    else:
+        pairs = world.run(checks.mismatch_set_on_rank, case)
+        saved, seen = pairs[0][0], [loaded for _, loaded in pairs]
+    keys = linear_keys(case.loading.train.dims, case.loading.train.bias)
+    what = f"{case.call()}"
+    if mismatch == "shape" or via == "dcp":
+        # a load copies into the tensors in place: another shape never fits, and DCP's
+        # checkpoint records each tensor's dtype, which nothing documents it casts from
+        wrong = keys[:1] if mismatch == "shape" else keys
+        _refused_naming([s.error for s in seen], wrong, what)
+        return
+    # load_state_dict(assign=False), which set_model_state_dict calls: "the properties of
+    # the tensors in the current module are preserved" (its docs): a documented cast
+    dtype = case.loading.train.dtype
+    _check_cast(seen, saved, keys, dtype, what)
+
+
+def _check_cast(
+    seen: Sequence[Loaded], saved: Values, keys: list[str], dtype: str, what: str
+) -> None:
+    for rank, got in enumerate(seen):
+        assert_equal_values(got.error, None, what=f"error of {what} on rank {rank}")
+        assert_equal_values(got.dtypes, dict.fromkeys(keys, dtype), what=f"dtypes on rank {rank}")
+        cast = {k: v.astype(dtype) for k, v in saved.items()}  # exact: numpy's rounding cast
+        _assert_values(got.loaded, cast, keys, f"(cast to {dtype}) after {what} on rank {rank}")
+
+
+# --- StateDictOptions -----------------------------------------------------------------------
+
+
+@pytest.mark.spec("state_dict.loads.state_dict_options")
+@PROPERTY
+@given(data=st.data())
+def test_state_dict_options_choose_the_keys_and_keep_the_values(
+    world: World, data: st.DataObject
+) -> None:
+    case = data.draw(options_cases(world.world_size), label="case")
+    parity.attach(case.call())
+    model = build_mlp(case.case.train, torch.device("cpu"))
+    reference = {k: v.numpy() for k, v in model.state_dict().items()}
+    if case.submodule is not None and not case.keep_prefixes:
+        reference = {
+            k.removeprefix(f"{case.submodule}."): v
+            for k, v in reference.items()
+            if k.startswith(f"{case.submodule}.")
+        }
+    held_by = 1 if case.full and case.cpu_offload else world.world_size  # documented: rank 0
+    ignored = [k for k in case.frozen if case.ignore_frozen]
+    for rank, seen in enumerate(world.run(checks.options_on_rank, case)):
+        held = rank < held_by
+        want = case.expected_keys if held else []
+        assert_equal_values(seen.keys, want, what=f"keys of {case.options()} on rank {rank}")
+        if case.cpu_offload and held:
+            assert_equal_values(seen.devices, {"cpu"}, what=f"devices on rank {rank}")
+        for key in want:  # exact: a state dict holds the model's values
+            assert_array_equal(seen.values[key], reference[key], what=f"{key} on rank {rank}")
+        if case.submodule is not None or (case.full and case.cpu_offload):
+            continue  # rank 0's alone, or a submodule's: not the model's state dict
+        what = f"set_model_state_dict(strict={case.strict}) of it on rank {rank}"
+        # A full state dict lacking keys is neither refused nor its keys reported missing
+        # (torch fills them from the model itself): state_dict.loads.strict_and_partial's
+        # deviation, so here only its values are checked.
+        if ignored and case.strict and not case.full:
+            _refused_naming([seen.set_error], ignored, what)
+            continue
+        assert_equal_values(seen.set_error, None, what=f"error of {what}")
+        if not case.full:
+            reported: tuple[list[str], list[str]] = (sorted(ignored), [])
+            assert_equal_values(seen.incompatible, reported, what=f"keys {what} returned")
+        full = {k: v.numpy() for k, v in model.state_dict().items()}
+        loaded = [k for k in case.keys if k not in ignored]
+        _assert_values(seen.loaded, full, loaded, f"after {what}")
+        _assert_values(seen.loaded, seen.fresh, ignored, f"(left out) after {what}")
+
+
+# --- without a process group ------------------------------------------------------------------
+
+
+@pytest.mark.spec("state_dict.loads.single_process")
+@PROPERTY
+@given(data=st.data())
+def test_a_checkpoint_of_n_ranks_reads_without_a_process_group(
+    world: World, worlds: Worlds, data: st.DataObject
+) -> None:
+    case = data.draw(single_process_cases(world.world_size, worlds.sizes), label="case")
+    parity.attach(f"{case.call()}; dcp.load(no_dist=True), dcp_to_torch_save, torch_save_to_dcp")
+    loading = worlds.get(int(np.prod(case.load.train.mesh_shape)))
+    with _checkpoints() as root:
+        saved = world.run(checks.save_model_on_rank, case.save, root)[0]
+        read = checks.read_without_group(root, saved)
+        converted = checks.read_as_torch_save(root, os.path.join(root, "model.pt"))
+        again = os.path.join(root, "again")
+        checks.write_from_torch_save(saved, os.path.join(root, "saved.pt"), again)
+        reloaded = loading.run(checks.load_model_on_rank, case.load, again)
+    keys = list(saved)
+    _assert_values(read, saved, keys, "read by dcp.load(no_dist=True) in one process")
+    assert_equal_values(sorted(converted), sorted(keys), what="keys of dcp_to_torch_save's file")
+    _assert_values(converted, saved, keys, "of dcp_to_torch_save's file")
+    for rank, seen in enumerate(reloaded):
+        what = f"of torch_save_to_dcp's checkpoint loaded on rank {rank} of {loading.world_size}"
+        assert_equal_values(seen.error, None, what=f"error {what}")
+        _assert_values(seen.loaded, saved, keys, what)
+
+
+# --- a save that fails ------------------------------------------------------------------------
+
+
+@pytest.mark.spec("state_dict.loads.failed_save")
+@pytest.mark.parametrize("target", ["new", "same"])
+@SPLIT
+@given(data=st.data())
+def test_a_failed_save_raises_everywhere_and_leaves_the_last_checkpoint(
+    world: World, worlds: Worlds, data: st.DataObject, target: str
+) -> None:
+    case = data.draw(failed_save_cases(world.world_size, worlds.sizes, target), label="case")
+    parity.attach(case.call())
+    loading = worlds.get(int(np.prod(case.load.train.mesh_shape)))
+    with _checkpoints() as root:
+        first = os.path.join(root, "first")
+        second = first if target == "same" else os.path.join(root, "second")
+        saved = world.run(checks.save_model_on_rank, case.case, first)[0]
+        failures = world.run(checks.failing_save_on_rank, case, second)
+        left = checks.metadata_exists(second) if target == "new" else False
+        loaded = loading.run(checks.load_model_on_rank, case.load, first)
+    for rank, raised in enumerate(failures):
+        what = f"what the failing save raised on rank {rank} (text: {raised.text!r})"
+        got = (raised.kind, raised.failed_ranks)
+        assert_equal_values(got, ("CheckpointException", [case.failing_rank]), what=what)
+    assert_equal_values(left, False, what="a .metadata in the failed save's new directory")
+    keys = list(saved)
+    for rank, seen in enumerate(loaded):
+        what = f"the first checkpoint loaded after a failed save into {target} directory"
+        assert_equal_values(seen.error, None, what=f"error of {what}, rank {rank}")
+        _assert_values(seen.loaded, saved, keys, f"of {what}, rank {rank}")
