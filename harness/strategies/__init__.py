@@ -16,6 +16,12 @@ from harness.strategies._common import (
     shapes,
 )
 from harness.strategies.checkpointing import checkpointings
+from harness.strategies.checkpoints import (
+    async_cases,
+    checkpoint_options,
+    options_cases,
+    stateful_cases,
+)
 from harness.strategies.comm_hooks import comm_hooks
 from harness.strategies.dcp_layouts import dcp_layout_cases as dcp_layout_cases
 from harness.strategies.ddp import cpu_device_cases, delayed_all_reduces
@@ -105,6 +111,8 @@ __all__ = [
     "KNOB_FAMILIES",
     "MAX_MESH_NDIM",
     "MAX_SIDE",
+    "async_cases",
+    "checkpoint_options",
     "checkpointings",
     "class_counts",
     "clip_cases",
@@ -145,6 +153,7 @@ __all__ = [
     "op_cases",
     "opinfo_cases",
     "optim_configs",
+    "options_cases",
     "overlap_cases",
     "owns_subtree",
     "params_cases",
@@ -167,6 +176,7 @@ __all__ = [
     "shapes",
     "shard_dim_cases",
     "state_dict_cases",
+    "stateful_cases",
     "step_cases",
     "strided_disagreement_cases",
     "strided_disagreement_world_sizes",
