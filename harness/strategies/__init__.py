@@ -16,6 +16,12 @@ from harness.strategies._common import (
     shapes,
 )
 from harness.strategies.checkpointing import checkpointings
+from harness.strategies.checkpoints import (
+    async_cases,
+    checkpoint_options,
+    options_cases,
+    stateful_cases,
+)
 from harness.strategies.comm_hooks import comm_hooks
 from harness.strategies.dcp_layouts import dcp_layout_cases as dcp_layout_cases
 from harness.strategies.ddp import cpu_device_cases, delayed_all_reduces
@@ -120,6 +126,8 @@ __all__ = [
     "KNOB_FAMILIES",
     "MAX_MESH_NDIM",
     "MAX_SIDE",
+    "async_cases",
+    "checkpoint_options",
     "checkpointings",
     "class_counts",
     "clip_cases",
@@ -189,6 +197,7 @@ __all__ = [
     "shard_dim_cases",
     "single_process_cases",
     "state_dict_cases",
+    "stateful_cases",
     "step_cases",
     "strict_set_cases",
     "strided_disagreement_cases",
