@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from harness import World, parity
 from harness.cases.meshes import MeshCase
 from harness.cases.placements import DistributeCase, FactoryCase, OpCase, ReshapeCase
-from harness.cases.programs import ProgramCase, no_partial
+from harness.cases.programs import ProgramCase
 from harness.parity import assert_array_equal, assert_close, assert_equal_values, failure
 from harness.profiles import HANG_DEADLINE, costly, hanging, property_settings
 from harness.strategies import (
@@ -39,7 +39,6 @@ from harness.torchkit.dtensor import DTensorView, dtype_name, to_numpy
 from specs.placements import (
     REDUCE_OPS,
     Shard,
-    contiguous_stride,
     local_arrays,
 )
 from suites.checks.dtensor import (
@@ -60,12 +59,11 @@ from suites.checks.dtensor import (
     reshape_on_rank,
 )
 from suites.checks.programs import (
-    ProgramRun,
-    Reference,
     program_on_one_device,
     program_on_rank,
     transitions,
 )
+from suites.checks.programs_compare import assert_program_matches
 
 PROPERTY = property_settings()
 # A program runs up to 8 steps and a backward pass: each example costs several op examples.
@@ -435,14 +433,6 @@ def _assert_reshaped(view: DTensorView, expected: np.ndarray, case: ReshapeCase)
         assert_array_equal(view.local, local, what=f"to_local() of {who}")
 
 
-# A program's values are sums and products of leaves holding multiples of 1/64: one device
-# and the DTensor program add the same terms in other orders (sharded sums, then a
-# reduction), which costs a few ulps of the largest term. The terms are values the program
-# computed, so the tolerance is held to the largest of them.
-PROGRAM_RTOL = 1e-9
-PROGRAM_WHY = "the same terms added in another order; atol scales with the largest term"
-
-
 @pytest.mark.spec("placements.program.matches_one_device")
 @PROGRAM
 @given(data=st.data())
@@ -475,109 +465,4 @@ def _check_drawn_program(
     runs = world.run(program_on_rank, case)
     for label in transitions(case, runs[0]):
         parity.exercise(label)
-    arrays = [a for a in [*expected.values, *expected.grads] if a is not None and a.size]
-    scale = max((float(np.abs(a).max()) for a in arrays), default=0.0)
-    atol = PROGRAM_RTOL * (1.0 + scale)
-    for rank, run in enumerate(runs):
-        _assert_program_values(run, expected, case, rank, atol)
-        _assert_program_grads(run, expected, case, rank, atol)
-
-
-def _assert_program_values(
-    run: ProgramRun, expected: Reference, case: ProgramCase, rank: int, atol: float
-) -> None:
-    __tracebackhide__ = True
-    names = case.value_names()
-    for index, view in enumerate(run.values):
-        who = f"{names[index]} on rank {rank} (mesh coord {view.coord})"
-        want = expected.values[index]
-        assert_equal_values(view.coord, case.mesh.coord_of(rank), what=f"mesh coordinate of {who}")
-        assert_equal_values(view.dtype, "float64", what=f"dtype of {who}")
-        assert_equal_values(view.shape, want.shape, what=f"shape of {who}")
-        if expected.contiguous[index] and want.size:
-            # a side of 1 is never stepped over: its stride is free on one device too
-            sides = [d for d, side in enumerate(want.shape) if side > 1]
-            strides = [
-                [stride[d] for d in sides] for stride in (view.stride, expected.strides[index])
-            ]
-            assert_equal_values(*strides, what=f"stride of {who} (sides > 1)")
-        grad_flag = run.requires_grad[index]
-        assert_equal_values(
-            grad_flag, expected.requires_grad[index], what=f"requires_grad of {who}"
-        )
-        _assert_program_array(view, want, case, who, atol, "program/values")
-
-
-def _assert_program_grads(
-    run: ProgramRun, expected: Reference, case: ProgramCase, rank: int, atol: float
-) -> None:
-    __tracebackhide__ = True
-    names = case.value_names()
-    for index, grad in enumerate(run.grads):
-        who = f"the gradient of {names[index]} on rank {rank}"
-        want = expected.grads[index]
-        if grad is None or want is None:
-            if grad is not None or want is not None:
-                should = "None (the loss does not depend on it)" if want is None else "a gradient"
-                raise failure(
-                    f"{who}: got {'None' if grad is None else 'a gradient'}, should be {should}"
-                )
-            continue
-        if isinstance(grad, DTensorView):
-            assert_equal_values(grad.shape, want.shape, what=f"shape of {who}")
-            _assert_program_array(grad, want, case, who, atol, "program/grads")
-            _assert_laid_out_like_its_leaf(grad, who)
-            continue
-        placements = no_partial(case.leaves[index].placements)
-        coord = case.mesh.coord_of(rank)
-        local = local_arrays(want, case.mesh.shape, placements)[coord]
-        what = f"{who}'s local tensor (from_local's input, laid out {placements})"
-        assert_close(
-            grad, local, rtol=PROGRAM_RTOL, atol=atol, dtype="float64", what=what, why=PROGRAM_WHY
-        )
-
-
-def _assert_program_array(
-    view: DTensorView, want: np.ndarray, case: ProgramCase, who: str, atol: float, record_as: str
-) -> None:
-    """full_tensor() is one device's value, and to_local() its piece for the placements
-    the result carries (not known for Partial contributions)."""
-    __tracebackhide__ = True
-    assert view.full is not None
-    _assert_program_close(view.full, want, f"full_tensor() of {who}", atol, record_as)
-    local = expected_piece(view, want, case.mesh.shape)
-    if local is not None:
-        _assert_program_close(view.local, local, f"to_local() of {who}", atol)
-
-
-def _assert_laid_out_like_its_leaf(grad: DTensorView, who: str) -> None:
-    """AccumulateGrad's layout contract, on the local tensors too: a leaf's .grad is laid
-    out like the (contiguous) leaf, and its local tensor steps through its dims in the same
-    order (a chunk of a gathered tensor may leave gaps between rows; a transposed local
-    tensor under contiguous metadata breaks view() and flat-buffer optimizers on it)."""
-    __tracebackhide__ = True
-    local_shape = grad.local.shape
-    dims = [d for d in range(len(grad.shape)) if grad.shape[d] > 1 and local_shape[d] > 1]
-    want = contiguous_stride(grad.shape)
-    assert_equal_values(
-        [grad.stride[d] for d in dims], [want[d] for d in dims], what=f"stride of {who}"
-    )
-    order = sorted(dims, key=lambda d: (-grad.local_stride[d], d))
-    what = f"dims of {who}'s local tensor by stride, largest first (stride {grad.local_stride})"
-    assert_equal_values(order, dims, what=what)
-
-
-def _assert_program_close(
-    actual: np.ndarray, want: np.ndarray, what: str, atol: float, record_as: str | None = None
-) -> None:
-    __tracebackhide__ = True
-    assert_close(
-        actual,
-        want,
-        rtol=PROGRAM_RTOL,
-        atol=atol,
-        dtype="float64",
-        what=what,
-        why=PROGRAM_WHY,
-        record_as=record_as,
-    )
+    assert_program_matches(runs, expected, case)

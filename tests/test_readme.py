@@ -27,6 +27,7 @@ ONE_TEST_OF = {
     "ops": "test_op_on_dtensors_matches_one_device and sigmoid",
     "ddp": "test_join_options_follow_the_documented_arithmetic",
     "schedules": "test_lr_schedules_match_the_spec_model",
+    "compile": "test_compiled_programs_match_eager_aot_eager",
 }
 """A quick test of each suite: an example's run selects these of the suites it names."""
 TINY_BENCH = {

@@ -23,6 +23,7 @@ from harness.strategies.checkpoints import (
     stateful_cases,
 )
 from harness.strategies.comm_hooks import comm_hooks
+from harness.strategies.compile import compile_cases
 from harness.strategies.dcp_layouts import dcp_layout_cases as dcp_layout_cases
 from harness.strategies.ddp import cpu_device_cases, delayed_all_reduces
 from harness.strategies.hsdp import (
@@ -133,6 +134,7 @@ __all__ = [
     "clip_cases",
     "clippings",
     "comm_hooks",
+    "compile_cases",
     "container_cases",
     "cpu_device_cases",
     "delayed_all_reduces",

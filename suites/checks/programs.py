@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from harness import RankContext
@@ -59,7 +61,29 @@ def leaf_pieces(case: ProgramCase, index: int, rank: int) -> np.ndarray:
     return layout[case.mesh.coord_of(rank)]
 
 
+Runs = Callable[[list[torch.Tensor], DeviceMesh], tuple[list[torch.Tensor], torch.Tensor]]
+"""Runs a program's steps on its input DTensors: every value (leaves first) and the loss."""
+
+
+def eager_steps(case: ProgramCase) -> Runs:
+    """``case``'s steps run as written (eagerly), then its loss."""
+
+    def run(
+        inputs: list[torch.Tensor], mesh: DeviceMesh
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        values = run_steps(case, inputs, mesh)
+        return values, loss_of(case, values)
+
+    return run
+
+
 def program_on_rank(ctx: RankContext, case: ProgramCase) -> ProgramRun:
+    return run_program(ctx, case, eager_steps(case))
+
+
+def run_program(ctx: RankContext, case: ProgramCase, runs: Runs) -> ProgramRun:
+    """``case`` on this rank: its leaves made, its steps and loss run by ``runs``, then
+    ``backward()``."""
     mesh = ctx.mesh_of(case.mesh)
     inputs: list[torch.Tensor] = []
     leaves: list[torch.Tensor] = []
@@ -79,8 +103,8 @@ def program_on_rank(ctx: RankContext, case: ProgramCase) -> ProgramRun:
         else:
             inputs.append(DTensor.from_local(piece, mesh, placements))
         leaves.append(piece)
-    values = run_steps(case, list(inputs), mesh)
-    loss_of(case, values).backward()
+    values, loss = runs(list(inputs), mesh)
+    loss.backward()
     return ProgramRun(
         values=[view_of(v.detach(), ctx) for v in values],
         requires_grad=[v.requires_grad for v in values],

@@ -1,0 +1,110 @@
+"""Cases of the compile suite: a DTensor program (``harness.cases.programs``) run eagerly and
+through ``torch.compile(..., fullgraph=True)`` with one backend.
+
+What dynamo guards on is the program's structure: its mesh, its leaves' shape, placements
+and how they are made, its steps and their own arguments, never the values its leaves hold
+(``ProgramCase.leaf_array`` draws those from the leaves' seeds). ``structure`` is that key:
+two cases of one structure reuse one compiled graph in a rank's process.
+
+A compile torch refuses (``Unsupported``: a graph break under ``fullgraph=True``, an op
+dynamo cannot trace) is coverage; ``refusal_kind`` says which exception types are refusals,
+by the names of their classes, so that it needs no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from harness.cases.programs import OPS, ProgramCase
+from harness.errors import check_one_of, require
+
+BACKENDS = ("aot_eager", "inductor")
+"""``aot_eager`` runs AOTAutograd's graphs with eager kernels: it promises eager's values
+bit for bit. ``inductor`` generates kernels of its own (C++ on CPU), which may reorder float
+arithmetic."""
+
+REFUSALS = ("Unsupported", "UserError", "UncapturedHigherOrderOpError")
+"""The exceptions of ``torch._dynamo.exc`` by which dynamo declines a program it cannot
+capture whole: ``Unsupported`` (every graph break ``fullgraph=True`` turns into an error,
+and its subclasses) and the errors dynamo raises on a user's use of an unsupported
+feature. A backend's crash (``BackendCompilerFailed``), an error of the traced code
+(``TorchRuntimeError``) or anything else is no refusal: where eager runs the program, it is
+a deviation."""
+
+FAMILIES: dict[str, str] = {
+    "neg": "pointwise",
+    "tanh": "pointwise",
+    "relu": "pointwise",
+    "add_scalar": "pointwise",
+    "rsub_scalar": "pointwise",
+    "mul_scalar": "pointwise",
+    "div_scalar": "pointwise",
+    "add": "pointwise",
+    "sub": "pointwise",
+    "mul": "pointwise",
+    "add_scalar_": "in_place",
+    "mul_scalar_": "in_place",
+    "mul_": "in_place",
+    "sum": "reduction",
+    "sum_dim": "reduction",
+    "mean_dim": "reduction",
+    "transpose": "view",
+    "unsqueeze": "view",
+    "matmul": "contraction",
+    "einsum": "contraction",
+    "redistribute": "redistribute",
+    "roundtrip": "local",
+    "relabel": "local",
+    "full_tensor": "redistribute",
+}
+"""Each program op's family, the unit the suite counts refusals by: ``local`` is
+``to_local``/``from_local``, ``redistribute`` every collective a program asks for."""
+
+
+@dataclass(frozen=True)
+class CompileCase:
+    """``program`` run eagerly and compiled with ``backend`` (``fullgraph=True``)."""
+
+    program: ProgramCase
+    backend: str
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.program, ProgramCase), "program", self.program, "a ProgramCase")
+        check_one_of("backend", self.backend, BACKENDS)
+
+    def structure(self) -> Hashable:
+        """What a compiled graph of this case is specific to (see the module's docstring)."""
+        program = self.program
+        leaves = tuple((leaf.placements, leaf.how, leaf.explicit_shape) for leaf in program.leaves)
+        return (
+            self.backend,
+            program.mesh,
+            program.shape,
+            leaves,
+            program.steps,
+            program.loss_of_all,
+        )
+
+    def families(self) -> tuple[str, ...]:
+        """The op families of the program's steps, each once, in order of first use."""
+        return tuple(dict.fromkeys(FAMILIES[step.op] for step in self.program.steps))
+
+    def call(self) -> str:
+        return (
+            f"torch.compile(program, backend={self.backend!r}, fullgraph=True) and eagerly, "
+            f"{self.program.call()}"
+        )
+
+
+def refusal_kind(class_names: Sequence[str]) -> str | None:
+    """The refusal an exception stands for, given the names of its class and its bases (its
+    ``__mro__``, most derived first): the most derived class's name where any of them is a
+    refusal (``REFUSALS``), else None (the error is no refusal)."""
+    require(bool(class_names), "class_names", class_names, "the names of a class and its bases")
+    if any(name in REFUSALS for name in class_names):
+        return class_names[0]
+    return None
+
+
+assert set(FAMILIES) == set(OPS), "every program op has a family"
