@@ -28,8 +28,8 @@ from harness.parity import assert_array_equal, assert_equal_values, failure
 from harness.profiles import costly
 from harness.strategies import (
     failed_save_cases,
+    key_options_cases,
     mismatch_cases,
-    options_cases,
     partial_load_cases,
     single_process_cases,
     strict_set_cases,
@@ -202,7 +202,7 @@ def _check_cast(
 def test_state_dict_options_choose_the_keys_and_keep_the_values(
     world: World, data: st.DataObject
 ) -> None:
-    case = data.draw(options_cases(world.world_size), label="case")
+    case = data.draw(key_options_cases(world.world_size), label="case")
     parity.attach(case.call())
     model = build_mlp(case.case.train, torch.device("cpu"))
     reference = {k: v.numpy() for k, v in model.state_dict().items()}
@@ -214,7 +214,7 @@ def test_state_dict_options_choose_the_keys_and_keep_the_values(
         }
     held_by = 1 if case.full and case.cpu_offload else world.world_size  # documented: rank 0
     ignored = [k for k in case.frozen if case.ignore_frozen]
-    for rank, seen in enumerate(world.run(checks.options_on_rank, case)):
+    for rank, seen in enumerate(world.run(checks.key_options_on_rank, case)):
         held = rank < held_by
         want = case.expected_keys if held else []
         assert_equal_values(seen.keys, want, what=f"keys of {case.options()} on rank {rank}")

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from harness.cases.loads import (
     FailedSaveCase,
+    KeyOptionsCase,
     MismatchCase,
-    OptionsCase,
     PartialLoadCase,
     StrictSetCase,
     changed_dims,
@@ -22,8 +22,8 @@ from harness.cases.loads import (
 from harness.errors import InvalidArgument
 from harness.strategies.loads import (
     failed_save_cases,
+    key_options_cases,
     mismatch_cases,
-    options_cases,
     partial_load_cases,
     single_process_cases,
     strict_set_cases,
@@ -66,7 +66,7 @@ def test_strategies_draw_valid_cases(data: st.DataObject, size: int) -> None:
             )
             assert differs
             assert via == "dcp" or case.load_size == size
-    options = data.draw(options_cases(size))
+    options = data.draw(key_options_cases(size))
     stripped = {k.removeprefix(f"{options.submodule}.") for k in options.keys}
     assert set(options.expected_keys) <= stripped | set(options.keys)
     if options.submodule is not None and options.frozen:
@@ -88,9 +88,9 @@ def test_cases_refuse_bad_values_naming_them(data: st.DataObject) -> None:
     with pytest.raises(InvalidArgument, match="change="):
         StrictSetCase(three, "doubled", True, False, True)
     with pytest.raises(InvalidArgument, match="frozen="):
-        OptionsCase(three, ("9.weight",), True, False, False, None, True, True)
+        KeyOptionsCase(three, ("9.weight",), True, False, False, None, True, True)
     with pytest.raises(InvalidArgument, match="submodule="):
-        OptionsCase(three, (), True, False, False, 1, True, True)
+        KeyOptionsCase(three, (), True, False, False, 1, True, True)
     with pytest.raises(InvalidArgument, match="failing_rank="):
         FailedSaveCase(three, 2, "same", three)
     with pytest.raises(InvalidArgument, match="target="):

@@ -156,7 +156,7 @@ class MismatchCase:
 
 
 @dataclass(frozen=True)
-class OptionsCase:
+class KeyOptionsCase:
     """``get_model_state_dict`` of ``case``'s model with ``frozen`` parameters
     (``requires_grad=False``) under ``StateDictOptions(ignore_frozen_params, full_state_dict,
     cpu_offload, keep_submodule_prefixes)``, of the whole model or (``submodule``, a Linear's

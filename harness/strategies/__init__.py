@@ -36,8 +36,8 @@ from harness.strategies.hsdp import (
 from harness.strategies.knobs import KNOB_FAMILIES
 from harness.strategies.loads import (
     failed_save_cases,
+    key_options_cases,
     mismatch_cases,
-    options_cases,
     partial_load_cases,
     single_process_cases,
     strict_set_cases,
@@ -158,6 +158,7 @@ __all__ = [
     "hsdp_meshes",
     "inplace_on_partial_cases",
     "join_cases",
+    "key_options_cases",
     "layout_meshes",
     "loss_cases",
     "loss_error_cases",

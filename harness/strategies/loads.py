@@ -17,8 +17,8 @@ from harness.cases.loads import (
     TARGETS,
     UNTP_LAYOUTS,
     FailedSaveCase,
+    KeyOptionsCase,
     MismatchCase,
-    OptionsCase,
     PartialLoadCase,
     StrictSetCase,
     linear_keys,
@@ -100,7 +100,7 @@ def mismatch_cases(
 
 
 @st.composite
-def options_cases(draw: st.DrawFn, world_size: int) -> OptionsCase:
+def key_options_cases(draw: st.DrawFn, world_size: int) -> KeyOptionsCase:
     """Any sharded layout, some parameters frozen, every option of ``StateDictOptions``
     that chooses keys drawn, of the whole model or of one Linear (``submodules``)."""
     case = _untrained(draw(state_dict_cases(world_size, steps=(0, 0))))
@@ -114,7 +114,7 @@ def options_cases(draw: st.DrawFn, world_size: int) -> OptionsCase:
         # and a frozen parameter anywhere raises KeyError naming it on every rank (it looks
         # up every parameter in the state dict that left them out): not drawn
         ignore_frozen = False
-    return OptionsCase(
+    return KeyOptionsCase(
         case,
         frozen=frozen,
         ignore_frozen=ignore_frozen,

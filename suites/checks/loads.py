@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from harness import RankContext
-from harness.cases.loads import FailedSaveCase, MismatchCase, OptionsCase, StrictSetCase
+from harness.cases.loads import FailedSaveCase, KeyOptionsCase, MismatchCase, StrictSetCase
 from harness.cases.state_dict import StateDictCase
 from harness.torchkit.models import build_mlp
 from harness.torchkit.training import parallelize
@@ -163,7 +163,7 @@ def mismatch_set_on_rank(ctx: RankContext, case: MismatchCase) -> tuple[Values, 
 
 
 @dataclass(frozen=True)
-class OptionsSeen:
+class KeyOptionsSeen:
     """What ``get_model_state_dict`` gave (keys, values, devices of its tensors), and the
     load of the whole model's state dict into a fresh model (None when a submodule's)."""
 
@@ -176,7 +176,7 @@ class OptionsSeen:
     loaded: Values
 
 
-def options_on_rank(ctx: RankContext, case: OptionsCase) -> OptionsSeen:
+def key_options_on_rank(ctx: RankContext, case: KeyOptionsCase) -> KeyOptionsSeen:
     model = model_of(ctx, case.case, case.frozen)
     options = StateDictOptions(
         full_state_dict=case.full,
@@ -191,16 +191,18 @@ def options_on_rank(ctx: RankContext, case: OptionsCase) -> OptionsSeen:
     if case.submodule is not None or (case.full and case.cpu_offload):
         # a submodule's keys are not the model's; a full state dict offloaded to the CPU
         # is rank 0's alone (set it with broadcast_from_rank0: the full suite's spec)
-        return OptionsSeen(keys, values, devices, None, None, {}, {})
+        return KeyOptionsSeen(keys, values, devices, None, None, {}, {})
     target = model_of(ctx, fresh_case(case.case), case.frozen)
     fresh = values_of(target)
     setting = StateDictOptions(full_state_dict=case.full, strict=case.strict)
     try:
         result = set_model_state_dict(target, state_dict, options=setting)
     except Exception as exc:
-        return OptionsSeen(keys, values, devices, error_text(exc), None, fresh, values_of(target))
+        return KeyOptionsSeen(
+            keys, values, devices, error_text(exc), None, fresh, values_of(target)
+        )
     incompatible = (sorted(result.missing_keys), sorted(result.unexpected_keys))
-    return OptionsSeen(keys, values, devices, None, incompatible, fresh, values_of(target))
+    return KeyOptionsSeen(keys, values, devices, None, incompatible, fresh, values_of(target))
 
 
 def fresh_case(case: StateDictCase) -> StateDictCase:
