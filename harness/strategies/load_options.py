@@ -73,11 +73,14 @@ def api_options_cases(draw: st.DrawFn, world_size: int) -> ApiOptionsCase:
     case = draw(state_dict_cases(world_size, layouts=("fsdp", "hsdp"), steps=(1, 2)))
     full = draw(st.booleans())
     linears = tuple(range(0, 2 * (len(case.train.dims) - 1), 2))
+    # torch 2.13: set_state_dict / set_optimizer_state_dict with full_state_dict=True and
+    # flatten_optimizer_state_dict=True raise KeyError('param_groups.0.params.0') in
+    # _load_optim_state_dict (seen at 2 ranks, fsdp): not drawn together here
     return ApiOptionsCase(
         case,
         full=full,
         cpu_offload=not full and draw(st.booleans()),
-        flatten_optimizer=draw(st.booleans()),
+        flatten_optimizer=not full and draw(st.booleans()),
         modifiers=draw(sampled(FQN_MODIFIERS)),
         submodule=draw(st.none() | sampled(linears)),
     )
