@@ -3,8 +3,9 @@ load refuses what does not fit and a partial one fills exactly what is there (dc
 planner, set_*state_dict's strict); a tensor of another shape or dtype is refused or, where
 torch documents it, cast; the StateDictOptions that choose a state dict's keys (frozen
 parameters, submodules); a checkpoint saved at N ranks read without a process group (and
-through torch.save files); a save that fails on one rank; how a save's and a load's ranks coordinate (process_group,
-use_collectives, no_dist); the state-dict functions one by one against get/set_state_dict.
+through torch.save files); a save that fails on one rank; how a save's and a load's ranks
+coordinate (process_group, use_collectives, no_dist); the state-dict functions one by one
+against get/set_state_dict.
 
 Every comparison is exact: loading moves values, and a documented cast is numpy's cast.
 """
@@ -384,6 +385,8 @@ def test_the_state_dict_functions_one_by_one_agree_with_get_and_set_state_dict(
         if seen.set_jointly is None or seen.set_separately is None:
             continue  # a submodule's state dicts: not the model's to set
         what = f"the trained state set {where}"
-        checks_sd.assert_same_state(seen.set_jointly, seen.trained, what=f"{what} by set_state_dict")
+        checks_sd.assert_same_state(
+            seen.set_jointly, seen.trained, what=f"{what} by set_state_dict"
+        )
         by_two = "set_model_state_dict + set_optimizer_state_dict"
         checks_sd.assert_same_state(seen.set_separately, seen.trained, what=f"{what} by {by_two}")

@@ -82,5 +82,5 @@ def api_options_cases(draw: st.DrawFn, world_size: int) -> ApiOptionsCase:
         cpu_offload=not full and draw(st.booleans()),
         flatten_optimizer=not full and draw(st.booleans()),
         modifiers=draw(sampled(FQN_MODIFIERS)),
-        submodule=draw(st.none() | sampled(linears)),
+        submodule=draw(sampled((*linears, None))),
     )

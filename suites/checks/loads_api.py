@@ -59,17 +59,13 @@ def coordinated_load_on_rank(ctx: RankContext, case: CoordinationCase, directory
     return _load(ctx, case.reshard.load, directory, _group(case.load_how))
 
 
-def rank_local_save_on_rank(
-    ctx: RankContext, case: RankLocalReshardCase, directory: str
-) -> Values:
+def rank_local_save_on_rank(ctx: RankContext, case: RankLocalReshardCase, directory: str) -> Values:
     model = model_of(ctx, case.save)
     dcp_save(get_model_state_dict(model), checkpoint_id=directory, use_collectives=False)
     return values_of(model)
 
 
-def rank_local_load_on_rank(
-    ctx: RankContext, case: RankLocalReshardCase, directory: str
-) -> Loaded:
+def rank_local_load_on_rank(ctx: RankContext, case: RankLocalReshardCase, directory: str) -> Loaded:
     return _load(ctx, case.load, directory, {})
 
 
