@@ -3,7 +3,9 @@ load refuses what does not fit and a partial one fills exactly what is there (dc
 planner, set_*state_dict's strict); a tensor of another shape or dtype is refused or, where
 torch documents it, cast; the StateDictOptions that choose a state dict's keys (frozen
 parameters, submodules); a checkpoint saved at N ranks read without a process group (and
-through torch.save files); a save that fails on one rank.
+through torch.save files); a save that fails on one rank; how a save's and a load's ranks
+coordinate (process_group, use_collectives, no_dist); the state-dict functions one by one
+against get/set_state_dict.
 
 Every comparison is exact: loading moves values, and a documented cast is numpy's cast.
 """
@@ -27,15 +29,20 @@ from harness.cases.loads import linear_keys
 from harness.parity import assert_array_equal, assert_equal_values, failure
 from harness.profiles import costly
 from harness.strategies import (
+    api_options_cases,
+    coordination_cases,
     failed_save_cases,
     key_options_cases,
     mismatch_cases,
     partial_load_cases,
+    rank_local_reshard_cases,
     single_process_cases,
     strict_set_cases,
 )
 from harness.torchkit.models import build_mlp
 from suites.checks import loads as checks
+from suites.checks import loads_api
+from suites.checks import state_dict as checks_sd
 from suites.checks.loads import Loaded, Values
 
 # Each example builds one or two sharded models (no training) and most write and read a
@@ -300,3 +307,86 @@ def test_a_failed_save_raises_everywhere_and_leaves_the_last_checkpoint(
         what = f"the first checkpoint loaded after a failed save into {target} directory"
         assert_equal_values(seen.error, None, what=f"error of {what}, rank {rank}")
         _assert_values(seen.loaded, saved, keys, f"of {what}, rank {rank}")
+
+
+# --- how the ranks coordinate ------------------------------------------------------------------
+
+
+@pytest.mark.spec("state_dict.loads.coordination")
+@PROPERTY
+@given(data=st.data())
+def test_process_group_use_collectives_and_no_dist_load_back_what_was_saved(
+    world: World, worlds: Worlds, data: st.DataObject
+) -> None:
+    case = data.draw(coordination_cases(world.world_size, worlds.sizes), label="case")
+    parity.attach(case.call())
+    with _checkpoints() as root:
+        saved = world.run(loads_api.coordinated_save_on_rank, case, root)[0]
+        seen = worlds.get(case.load_size).run(loads_api.coordinated_load_on_rank, case, root)
+    for rank, got in enumerate(seen):
+        what = f"{case.save_how} save loaded {case.load_how} on rank {rank}"
+        assert_equal_values(got.error, None, what=f"error of the {what}")
+        _assert_values(got.loaded, saved, list(saved), f"after the {what}")
+
+
+@pytest.mark.spec("state_dict.loads.rank_local_resharded")
+@PROPERTY
+@given(data=st.data())
+def test_a_rank_local_checkpoint_loaded_at_another_layout_is_refused_or_loads(
+    world: World, data: st.DataObject
+) -> None:
+    if world.world_size < 2:
+        pytest.skip("a rank-local checkpoint read for other ranks' pieces needs 2+ ranks")
+    case = data.draw(rank_local_reshard_cases(world.world_size), label="case")
+    parity.attach(case.call())
+    with _checkpoints() as root:
+        saved = world.run(loads_api.rank_local_save_on_rank, case, root)[0]
+        seen = world.run(loads_api.rank_local_load_on_rank, case, root)
+    if all(got.error is not None for got in seen):
+        return  # refused on every rank: what the spec allows
+    for rank, got in enumerate(seen):
+        what = f"a use_collectives=False checkpoint loaded replicated on rank {rank}"
+        assert_equal_values(got.error, None, what=f"error of {what} (others did not raise)")
+        _assert_values(got.loaded, saved, list(saved), f"of {what}")
+
+
+# --- the functions one by one ------------------------------------------------------------------
+
+
+def _assert_same_tree(got: object, want: object, what: str) -> None:
+    """Nested dicts and lists of numpy arrays and plain values, keys in order, exactly."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict), f"{what}: got {type(got).__name__}, should be a dict"
+        assert_equal_values(list(got), list(want), what=f"keys of {what}")
+        for key, value in want.items():
+            _assert_same_tree(got[key], value, f"{what}[{key!r}]")
+    elif isinstance(want, list | tuple):
+        assert_equal_values(len(got), len(want), what=f"length of {what}")  # type: ignore[arg-type]
+        for index, value in enumerate(want):
+            _assert_same_tree(got[index], value, f"{what}[{index}]")  # type: ignore[index]
+    elif isinstance(want, np.ndarray):
+        assert_array_equal(got, want, what=what)  # type: ignore[arg-type]
+    else:
+        assert_equal_values(got, want, what=what)
+
+
+@pytest.mark.spec("state_dict.loads.api_options")
+@PROPERTY
+@given(data=st.data())
+def test_the_state_dict_functions_one_by_one_agree_with_get_and_set_state_dict(
+    world: World, data: st.DataObject
+) -> None:
+    case = data.draw(api_options_cases(world.world_size), label="case")
+    parity.attach(case.call())
+    for rank, seen in enumerate(world.run(loads_api.api_options_on_rank, case)):
+        where = f"with {case.options()} on rank {rank}"
+        _assert_same_tree(seen.separate[0], seen.joint[0], f"get_model_state_dict {where}")
+        _assert_same_tree(seen.separate[1], seen.joint[1], f"get_optimizer_state_dict {where}")
+        if seen.set_jointly is None or seen.set_separately is None:
+            continue  # a submodule's state dicts: not the model's to set
+        what = f"the trained state set {where}"
+        checks_sd.assert_same_state(
+            seen.set_jointly, seen.trained, what=f"{what} by set_state_dict"
+        )
+        by_two = "set_model_state_dict + set_optimizer_state_dict"
+        checks_sd.assert_same_state(seen.set_separately, seen.trained, what=f"{what} by {by_two}")

@@ -34,6 +34,11 @@ from harness.strategies.hsdp import (
     sync_cases,
 )
 from harness.strategies.knobs import KNOB_FAMILIES
+from harness.strategies.load_options import (
+    api_options_cases,
+    coordination_cases,
+    rank_local_reshard_cases,
+)
 from harness.strategies.loads import (
     failed_save_cases,
     key_options_cases,
@@ -127,6 +132,7 @@ __all__ = [
     "KNOB_FAMILIES",
     "MAX_MESH_NDIM",
     "MAX_SIDE",
+    "api_options_cases",
     "async_cases",
     "checkpoint_options",
     "checkpointings",
@@ -136,6 +142,7 @@ __all__ = [
     "comm_hooks",
     "compile_cases",
     "container_cases",
+    "coordination_cases",
     "cpu_device_cases",
     "delayed_all_reduces",
     "distribute_cases",
@@ -185,6 +192,7 @@ __all__ = [
     "placements",
     "prepare_cases",
     "program_cases",
+    "rank_local_reshard_cases",
     "redistribute_cases",
     "reshape_cases",
     "reshard_cases",
