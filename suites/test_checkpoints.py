@@ -125,11 +125,6 @@ STATEFUL = costly(20)
 
 
 @pytest.mark.spec("state_dict.checkpoint.stateful")
-@pytest.mark.skip(
-    reason="not yet triaged: its smallest failing example (fsdp (2,), MLP(1, 1), SGD momentum "
-    "0.9 in one group, StepLR(step_size=1, gamma=0.5), saved after 1 of 3 steps) resumes with "
-    "equal lrs and data position but other parameters: a torch fault or this check's, open"
-)
 @STATEFUL
 @given(data=st.data())
 def test_scheduler_and_stateful_resume_exactly(world: World, data: st.DataObject) -> None:

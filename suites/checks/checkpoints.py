@@ -207,7 +207,8 @@ def _run(ctx: RankContext, case: StatefulCase, *, fresh: bool = False) -> Run:
     ]
     cls = getattr(torch.optim, train.optim.name)
     optimizer = cls(groups, **optimizer_kwargs(train.optim))
-    sharded = Sharded(wrapped, optimizer, dp_rank, replace(case.case, train=train))
+    # the case's own batches: the fresh seed initialises the model, never the data
+    sharded = Sharded(wrapped, optimizer, dp_rank, case.case)
     return Run(sharded, build_schedule(case.schedule, optimizer), kit.DataPosition())
 
 
