@@ -18,9 +18,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness import World, Worlds, parity
+from harness.cases.checkpoints import StatefulCase
 from harness.parity import assert_equal_values, failure
 from harness.profiles import costly
-from harness.strategies import async_cases, options_cases, state_dict_cases, stateful_cases
+from harness.strategies import (
+    async_cases,
+    dcp_options_cases,
+    state_dict_cases,
+    stateful_cases,
+)
 from suites.checks import checkpoints as checks
 from suites.checks.state_dict import assert_same_state
 
@@ -46,8 +52,11 @@ def test_checkpoint_options_never_change_what_is_loaded(
     world: World, worlds: Worlds, data: st.DataObject
 ) -> None:
     threads = world.runner == "threads"
-    strategy = options_cases(
-        world.world_size, worlds.sizes, broadcast=not threads, plan_caching=not threads
+    # enable_plan_caching's cache is a class attribute: rank threads of one process would
+    # share it, but one rank thread has nothing to share with
+    caching = not threads or world.world_size == 1
+    strategy = dcp_options_cases(
+        world.world_size, worlds.sizes, broadcast=not threads, plan_caching=caching
     )
     case = data.draw(strategy, label="case")
     parity.attach(case.call())
@@ -121,15 +130,10 @@ def test_async_save_holds_the_state_at_the_call(world: World, data: st.DataObjec
         assert_same_state(seen.after, seen.straight, what=f"{what} (training without a save)")
 
 
-STATEFUL = costly(20)
+STATEFUL = costly(50)
 
 
-@pytest.mark.spec("state_dict.checkpoint.stateful")
-@STATEFUL
-@given(data=st.data())
-def test_scheduler_and_stateful_resume_exactly(world: World, data: st.DataObject) -> None:
-    case = data.draw(stateful_cases(world.world_size), label="case")
-    parity.attach(case.call())
+def _assert_resumed_exactly(world: World, case: StatefulCase) -> None:
     with _checkpoints() as root:
         resumed = world.run(checks.resumed_on_rank, case, root)
     straight = world.run(checks.uninterrupted_on_rank, case)
@@ -139,3 +143,25 @@ def test_scheduler_and_stateful_resume_exactly(world: World, data: st.DataObject
         assert_equal_values(got.position, want.position, what=what)
         what = f"the resumed model and optimizer on rank {rank}"
         assert_same_state(got.state, want.state, what=f"{what} against training straight through")
+
+
+@pytest.mark.spec("state_dict.checkpoint.stateful")
+@STATEFUL
+@given(data=st.data())
+def test_scheduler_and_stateful_resume_exactly(world: World, data: st.DataObject) -> None:
+    case = data.draw(stateful_cases(world.world_size, empty="last"), label="case")
+    parity.attach(case.call())
+    _assert_resumed_exactly(world, case)
+
+
+# The same resume with an empty parameter group before the others.
+EMPTY_GROUP = costly(50)
+
+
+@pytest.mark.spec("state_dict.checkpoint.empty_group")
+@EMPTY_GROUP
+@given(data=st.data())
+def test_an_empty_parameter_group_resumes_exactly(world: World, data: st.DataObject) -> None:
+    case = data.draw(stateful_cases(world.world_size, empty="before"), label="case")
+    parity.attach(case.call())
+    _assert_resumed_exactly(world, case)

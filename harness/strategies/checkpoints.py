@@ -17,7 +17,7 @@ from harness.cases.checkpoints import (
     OptionsCase,
     StatefulCase,
 )
-from harness.errors import check_int, require
+from harness.errors import check_int, check_one_of
 from harness.strategies._common import sampled, takes_world_size
 from harness.strategies.schedules import schedules
 from harness.strategies.state_dict import reshard_cases, state_dict_cases
@@ -78,7 +78,7 @@ def checkpoint_options(
     )
 
 
-def options_cases(
+def dcp_options_cases(
     world_size: int, load_sizes: Sequence[int], *, broadcast: bool, plan_caching: bool
 ) -> st.SearchStrategy[OptionsCase]:
     """A ``reshard_cases`` checkpoint saved and loaded with ``checkpoint_options``, into an
@@ -116,12 +116,25 @@ def async_cases(draw: st.DrawFn, world_size: int, *, accelerator: bool = False) 
     return AsyncCase(case, after=draw(st.integers(1, 2)), staging=staging)
 
 
-@takes_world_size
-@st.composite
-def stateful_cases(draw: st.DrawFn, world_size: int) -> StatefulCase:
+EMPTY_GROUPS = ("none", "last", "before")
+"""Where ``stateful_cases`` puts an empty parameter group: none; after every other group; or
+before one or more of them (torch 2.13 drops its hyper-parameters there: spec
+state_dict.checkpoint.empty_group)."""
+
+
+def stateful_cases(world_size: int, *, empty: str = "none") -> st.SearchStrategy[StatefulCase]:
     """A ``state_dict_cases`` MLP (1-D or HSDP mesh) trained 3-4 steps with some parameters
-    frozen (never every one), the others in 2-3 parameter groups (one maybe empty) of their
-    own lrs under a scheduler of ``strategies.schedules``, saved after 1..steps-1 steps."""
+    frozen (never every one), the others in 1-3 parameter groups of their own lrs under a
+    scheduler of ``strategies.schedules``, saved after 1..steps-1 steps; ``empty`` (one of
+    ``EMPTY_GROUPS``): one more group without parameters, where it says ("last": drawn in
+    half the cases)."""
+    check_int("world_size", world_size)
+    check_one_of("empty", empty, EMPTY_GROUPS)
+    return _stateful_cases(world_size, empty)
+
+
+@st.composite
+def _stateful_cases(draw: st.DrawFn, world_size: int, empty: str) -> StatefulCase:
     case = draw(state_dict_cases(world_size, layouts=("fsdp", "hsdp"), steps=(3, 4)))
     dims, bias = case.train.dims, case.train.bias
     names = [f"{2 * i}.{kind}" for i in range(len(dims) - 1) for kind in ("weight", "bias")]
@@ -131,22 +144,22 @@ def stateful_cases(draw: st.DrawFn, world_size: int) -> StatefulCase:
         frozen_flags[-1] = False
     frozen = tuple(n for n, f in zip(names, frozen_flags, strict=True) if f)
     trainable = [n for n in names if n not in frozen]
-    count = draw(st.integers(2, 3))
-    count = min(count, len(trainable))
-    # every group holds a parameter: set_state_dict loses an empty group's hyper-parameters
-    # (KeyError: 'weight_decay' at the next step), left to its own spec
+    count = min(draw(st.integers(2, 3)), len(trainable))
     homes = list(range(count)) + [draw(st.integers(0, count - 1)) for _ in trainable[count:]]
-    groups = tuple(
+    groups = [
         tuple(n for n, h in zip(trainable, homes, strict=True) if h == g) for g in range(count)
-    )
+    ]
+    if empty == "before":
+        groups.insert(draw(st.integers(0, count - 1)), ())
+    elif empty == "last" and draw(st.booleans()):
+        groups.append(())
     lrs = tuple(draw(sampled((0.1, 0.05, 0.01))) for _ in groups)
     schedule = draw(schedules(case.train.optim.name, steps=case.train.steps))
     train = replace(case.train, optim=replace(case.train.optim, second_group=None, tensor_lr=False))
-    require(case.train.steps >= 3, "steps", case.train.steps, ">= 3")
     return StatefulCase(
         replace(case, train=train),
         frozen=frozen,
-        groups=groups,
+        groups=tuple(groups),
         lrs=lrs,
         schedule=schedule,
         save_at=draw(st.integers(1, case.train.steps - 1)),
