@@ -42,21 +42,22 @@ def _checkpoints() -> Iterator[str]:
 
 
 # Each example trains, saves and loads at two world sizes: about 30 times a placement example.
-OPTIONS = costly(30)
+OPTIONS = costly(50)
 
 
-@pytest.mark.spec("state_dict.checkpoint.options_roundtrip")
-@OPTIONS
-@given(data=st.data())
-def test_checkpoint_options_never_change_what_is_loaded(
-    world: World, worlds: Worlds, data: st.DataObject
+def _assert_options_roundtrip(
+    world: World, worlds: Worlds, data: st.DataObject, *, flattened_full_load: bool
 ) -> None:
     threads = world.runner == "threads"
     # enable_plan_caching's cache is a class attribute: rank threads of one process would
     # share it, but one rank thread has nothing to share with
     caching = not threads or world.world_size == 1
     strategy = dcp_options_cases(
-        world.world_size, worlds.sizes, broadcast=not threads, plan_caching=caching
+        world.world_size,
+        worlds.sizes,
+        broadcast=not threads,
+        plan_caching=caching,
+        flattened_full_load=flattened_full_load,
     )
     case = data.draw(strategy, label="case")
     parity.attach(case.call())
@@ -84,6 +85,24 @@ def test_checkpoint_options_never_change_what_is_loaded(
     for rank, got in enumerate(loaded):
         what = f"the state loaded on rank {rank} of {loading.world_size}"
         assert_same_state(got, state, what=what)
+
+
+@pytest.mark.spec("state_dict.checkpoint.options_roundtrip")
+@OPTIONS
+@given(data=st.data())
+def test_checkpoint_options_never_change_what_is_loaded(
+    world: World, worlds: Worlds, data: st.DataObject
+) -> None:
+    _assert_options_roundtrip(world, worlds, data, flattened_full_load=False)
+
+
+@pytest.mark.spec("state_dict.checkpoint.flattened_full_load")
+@OPTIONS
+@given(data=st.data())
+def test_a_flattened_optimizer_state_loads_as_a_full_state_dict(
+    world: World, worlds: Worlds, data: st.DataObject
+) -> None:
+    _assert_options_roundtrip(world, worlds, data, flattened_full_load=True)
 
 
 # One world, one save and load, no second World: about 12 times a placement example.

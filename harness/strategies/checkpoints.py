@@ -31,7 +31,11 @@ def _flags(draw: st.DrawFn, names: Sequence[str]) -> tuple[tuple[str, Any], ...]
 
 @st.composite
 def checkpoint_options(
-    draw: st.DrawFn, *, broadcast: bool = True, plan_caching: bool = True
+    draw: st.DrawFn,
+    *,
+    broadcast: bool = True,
+    plan_caching: bool = True,
+    flattened_full_load: bool = False,
 ) -> CheckpointOptions:
     """Planner, writer and state-dict options of a save and a load, valid by construction.
 
@@ -41,7 +45,9 @@ def checkpoint_options(
     warning. ``broadcast``: draw ``broadcast_from_rank0`` on the loading side (the thread
     runner's group has no device types, which its broadcast reads); ``plan_caching``: draw
     ``enable_plan_caching`` (its cache is a class attribute: rank threads of one process
-    share it)."""
+    share it). ``flattened_full_load``: always ``flatten_optimizer_state_dict`` and a load
+    with ``full_state_dict`` (set_state_dict of the two raises in torch 2.13: spec
+    state_dict.checkpoint.flattened_full_load), else never the two on the loading side."""
     save_planner = list(_flags(draw, ("dedup_save_to_lowest_rank",)))
     save_planner.append(("flatten_sharded_tensors", draw(st.booleans())))
     if plan_caching and draw(st.booleans()):
@@ -58,9 +64,13 @@ def checkpoint_options(
         ("cache_staged_state_dict", draw(st.booleans())),
         ("overwrite", draw(st.booleans())),
     )
-    flat = draw(st.booleans())
+    flat = flattened_full_load or draw(st.booleans())
     save_options = (*_flags(draw, ("full_state_dict", "cpu_offload")),)
     load_options = [*_flags(draw, ("full_state_dict", "cpu_offload"))]
+    if flattened_full_load and ("full_state_dict", True) not in load_options:
+        load_options.insert(0, ("full_state_dict", True))
+    elif flat and not flattened_full_load and ("full_state_dict", True) in load_options:
+        load_options.remove(("full_state_dict", True))
     full, offload = (dict(load_options).get(k, False) for k in ("full_state_dict", "cpu_offload"))
     if full and offload and not broadcast:  # rank 0 alone would hold the values to set
         load_options.remove(("cpu_offload", True))
@@ -79,12 +89,18 @@ def checkpoint_options(
 
 
 def dcp_options_cases(
-    world_size: int, load_sizes: Sequence[int], *, broadcast: bool, plan_caching: bool
+    world_size: int,
+    load_sizes: Sequence[int],
+    *,
+    broadcast: bool,
+    plan_caching: bool,
+    flattened_full_load: bool = False,
 ) -> st.SearchStrategy[OptionsCase]:
     """A ``reshard_cases`` checkpoint saved and loaded with ``checkpoint_options``, into an
     empty directory, one holding an earlier checkpoint, or (with plan caching) twice."""
     check_int("world_size", world_size)
-    return _options_cases(world_size, tuple(load_sizes), broadcast, plan_caching)
+    sizes = tuple(load_sizes)
+    return _options_cases(world_size, sizes, broadcast, plan_caching, flattened_full_load)
 
 
 @st.composite
@@ -94,11 +110,20 @@ def _options_cases(
     load_sizes: tuple[int, ...],
     broadcast: bool,
     plan_caching: bool,
+    flattened_full_load: bool,
 ) -> OptionsCase:
     reshard = draw(reshard_cases(world_size, load_sizes))
-    options = draw(checkpoint_options(broadcast=broadcast, plan_caching=plan_caching))
+    options = draw(
+        checkpoint_options(
+            broadcast=broadcast,
+            plan_caching=plan_caching,
+            flattened_full_load=flattened_full_load,
+        )
+    )
     cached = dict(options.save_planner).get("enable_plan_caching", False)
-    rewrite = draw(sampled(REWRITES if cached else REWRITES[:2]))
+    # a flattened full load is the subject there: every example loads
+    rewrites = REWRITES[:1] if flattened_full_load else REWRITES if cached else REWRITES[:2]
+    rewrite = draw(sampled(rewrites))
     return OptionsCase(reshard, options, rewrite)
 
 
