@@ -21,6 +21,7 @@ ONE_TEST_OF = {
     "state_dict": "test_state_dict_is_the_same_before_and_after_a_forward",
     "state_dict_steps": "test_resuming_from_a_state_dict_taken_inside_a_step",
     "checkpoint_loads": "test_a_checkpoint_of_n_ranks_reads_without_a_process_group",
+    "checkpoints": "test_scheduler_and_stateful_resume_exactly",
     "optim_parity": "test_fused_sgd_steps_sharded_parameters",
     "tp": "test_tp_mlp_inference_matches_one_device",
     "hsdp": "test_fully_shard_hybrid_trains_like_full_shard",

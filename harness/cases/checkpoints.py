@@ -137,6 +137,11 @@ class StatefulCase:
 
     def __post_init__(self) -> None:
         require(len(self.groups) >= 1, "groups", self.groups, "one or more parameter groups")
+        # set_state_dict refuses more than one ("DSD only support exactly one param group
+        # with zero parameters")
+        empty = sum(1 for g in self.groups if not g)
+        require(empty <= 1, "groups", self.groups, "at most one group without parameters")
+        require(empty < len(self.groups), "groups", self.groups, "a group with parameters")
         require(len(self.lrs) == len(self.groups), "lrs", self.lrs, "one lr per group")
         steps = self.case.train.steps
         check_int("save_at", self.save_at, minimum=1)

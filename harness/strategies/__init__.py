@@ -19,7 +19,7 @@ from harness.strategies.checkpointing import checkpointings
 from harness.strategies.checkpoints import (
     async_cases,
     checkpoint_options,
-    options_cases,
+    dcp_options_cases,
     stateful_cases,
 )
 from harness.strategies.comm_hooks import comm_hooks
@@ -144,6 +144,7 @@ __all__ = [
     "container_cases",
     "coordination_cases",
     "cpu_device_cases",
+    "dcp_options_cases",
     "delayed_all_reduces",
     "distribute_cases",
     "dtypes",

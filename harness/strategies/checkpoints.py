@@ -17,7 +17,7 @@ from harness.cases.checkpoints import (
     OptionsCase,
     StatefulCase,
 )
-from harness.errors import check_int, require
+from harness.errors import check_int, check_one_of
 from harness.strategies._common import sampled, takes_world_size
 from harness.strategies.schedules import schedules
 from harness.strategies.state_dict import reshard_cases, state_dict_cases
@@ -31,7 +31,11 @@ def _flags(draw: st.DrawFn, names: Sequence[str]) -> tuple[tuple[str, Any], ...]
 
 @st.composite
 def checkpoint_options(
-    draw: st.DrawFn, *, broadcast: bool = True, plan_caching: bool = True
+    draw: st.DrawFn,
+    *,
+    broadcast: bool = True,
+    plan_caching: bool = True,
+    flattened_full_load: bool = False,
 ) -> CheckpointOptions:
     """Planner, writer and state-dict options of a save and a load, valid by construction.
 
@@ -41,7 +45,9 @@ def checkpoint_options(
     warning. ``broadcast``: draw ``broadcast_from_rank0`` on the loading side (the thread
     runner's group has no device types, which its broadcast reads); ``plan_caching``: draw
     ``enable_plan_caching`` (its cache is a class attribute: rank threads of one process
-    share it)."""
+    share it). ``flattened_full_load``: always ``flatten_optimizer_state_dict`` and a load
+    with ``full_state_dict`` (set_state_dict of the two raises in torch 2.13: spec
+    state_dict.checkpoint.flattened_full_load), else never the two on the loading side."""
     save_planner = list(_flags(draw, ("dedup_save_to_lowest_rank",)))
     save_planner.append(("flatten_sharded_tensors", draw(st.booleans())))
     if plan_caching and draw(st.booleans()):
@@ -58,9 +64,13 @@ def checkpoint_options(
         ("cache_staged_state_dict", draw(st.booleans())),
         ("overwrite", draw(st.booleans())),
     )
-    flat = draw(st.booleans())
+    flat = flattened_full_load or draw(st.booleans())
     save_options = (*_flags(draw, ("full_state_dict", "cpu_offload")),)
     load_options = [*_flags(draw, ("full_state_dict", "cpu_offload"))]
+    if flattened_full_load and ("full_state_dict", True) not in load_options:
+        load_options.insert(0, ("full_state_dict", True))
+    elif flat and not flattened_full_load and ("full_state_dict", True) in load_options:
+        load_options.remove(("full_state_dict", True))
     full, offload = (dict(load_options).get(k, False) for k in ("full_state_dict", "cpu_offload"))
     if full and offload and not broadcast:  # rank 0 alone would hold the values to set
         load_options.remove(("cpu_offload", True))
@@ -78,13 +88,19 @@ def checkpoint_options(
     )
 
 
-def options_cases(
-    world_size: int, load_sizes: Sequence[int], *, broadcast: bool, plan_caching: bool
+def dcp_options_cases(
+    world_size: int,
+    load_sizes: Sequence[int],
+    *,
+    broadcast: bool,
+    plan_caching: bool,
+    flattened_full_load: bool = False,
 ) -> st.SearchStrategy[OptionsCase]:
     """A ``reshard_cases`` checkpoint saved and loaded with ``checkpoint_options``, into an
     empty directory, one holding an earlier checkpoint, or (with plan caching) twice."""
     check_int("world_size", world_size)
-    return _options_cases(world_size, tuple(load_sizes), broadcast, plan_caching)
+    sizes = tuple(load_sizes)
+    return _options_cases(world_size, sizes, broadcast, plan_caching, flattened_full_load)
 
 
 @st.composite
@@ -94,11 +110,20 @@ def _options_cases(
     load_sizes: tuple[int, ...],
     broadcast: bool,
     plan_caching: bool,
+    flattened_full_load: bool,
 ) -> OptionsCase:
     reshard = draw(reshard_cases(world_size, load_sizes))
-    options = draw(checkpoint_options(broadcast=broadcast, plan_caching=plan_caching))
+    options = draw(
+        checkpoint_options(
+            broadcast=broadcast,
+            plan_caching=plan_caching,
+            flattened_full_load=flattened_full_load,
+        )
+    )
     cached = dict(options.save_planner).get("enable_plan_caching", False)
-    rewrite = draw(sampled(REWRITES if cached else REWRITES[:2]))
+    # a flattened full load is the subject there: every example loads
+    rewrites = REWRITES[:1] if flattened_full_load else REWRITES if cached else REWRITES[:2]
+    rewrite = draw(sampled(rewrites))
     return OptionsCase(reshard, options, rewrite)
 
 
@@ -116,12 +141,25 @@ def async_cases(draw: st.DrawFn, world_size: int, *, accelerator: bool = False) 
     return AsyncCase(case, after=draw(st.integers(1, 2)), staging=staging)
 
 
-@takes_world_size
-@st.composite
-def stateful_cases(draw: st.DrawFn, world_size: int) -> StatefulCase:
+EMPTY_GROUPS = ("none", "last", "before")
+"""Where ``stateful_cases`` puts an empty parameter group: none; after every other group; or
+before one or more of them (torch 2.13 drops its hyper-parameters there: spec
+state_dict.checkpoint.empty_group)."""
+
+
+def stateful_cases(world_size: int, *, empty: str = "none") -> st.SearchStrategy[StatefulCase]:
     """A ``state_dict_cases`` MLP (1-D or HSDP mesh) trained 3-4 steps with some parameters
-    frozen (never every one), the others in 2-3 parameter groups (one maybe empty) of their
-    own lrs under a scheduler of ``strategies.schedules``, saved after 1..steps-1 steps."""
+    frozen (never every one), the others in 1-3 parameter groups of their own lrs under a
+    scheduler of ``strategies.schedules``, saved after 1..steps-1 steps; ``empty`` (one of
+    ``EMPTY_GROUPS``): one more group without parameters, where it says ("last": drawn in
+    half the cases)."""
+    check_int("world_size", world_size)
+    check_one_of("empty", empty, EMPTY_GROUPS)
+    return _stateful_cases(world_size, empty)
+
+
+@st.composite
+def _stateful_cases(draw: st.DrawFn, world_size: int, empty: str) -> StatefulCase:
     case = draw(state_dict_cases(world_size, layouts=("fsdp", "hsdp"), steps=(3, 4)))
     dims, bias = case.train.dims, case.train.bias
     names = [f"{2 * i}.{kind}" for i in range(len(dims) - 1) for kind in ("weight", "bias")]
@@ -131,22 +169,22 @@ def stateful_cases(draw: st.DrawFn, world_size: int) -> StatefulCase:
         frozen_flags[-1] = False
     frozen = tuple(n for n, f in zip(names, frozen_flags, strict=True) if f)
     trainable = [n for n in names if n not in frozen]
-    count = draw(st.integers(2, 3))
-    count = min(count, len(trainable))
-    # every group holds a parameter: set_state_dict loses an empty group's hyper-parameters
-    # (KeyError: 'weight_decay' at the next step), left to its own spec
+    count = min(draw(st.integers(2, 3)), len(trainable))
     homes = list(range(count)) + [draw(st.integers(0, count - 1)) for _ in trainable[count:]]
-    groups = tuple(
+    groups = [
         tuple(n for n, h in zip(trainable, homes, strict=True) if h == g) for g in range(count)
-    )
+    ]
+    if empty == "before":
+        groups.insert(draw(st.integers(0, count - 1)), ())
+    elif empty == "last" and draw(st.booleans()):
+        groups.append(())
     lrs = tuple(draw(sampled((0.1, 0.05, 0.01))) for _ in groups)
     schedule = draw(schedules(case.train.optim.name, steps=case.train.steps))
     train = replace(case.train, optim=replace(case.train.optim, second_group=None, tensor_lr=False))
-    require(case.train.steps >= 3, "steps", case.train.steps, ">= 3")
     return StatefulCase(
         replace(case, train=train),
         frozen=frozen,
-        groups=groups,
+        groups=tuple(groups),
         lrs=lrs,
         schedule=schedule,
         save_at=draw(st.integers(1, case.train.steps - 1)),

@@ -7,12 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint import (
-    DefaultLoadPlanner,
-    DefaultSavePlanner,
-    FileSystemReader,
-    FileSystemWriter,
-)
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 

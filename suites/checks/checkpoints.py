@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_model_state_dict,
@@ -106,8 +107,6 @@ def unflattened_on_rank(
 ) -> tuple[FullState, FullState]:
     """Save and load with ``flatten_state_dict=False`` on both planners; the state saved and
     the state loaded into a fresh model."""
-    from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
-
     sharded = build(ctx, case)
     sharded.train(ctx, 0, case.train.steps)
     saved = full_state(sharded.model, sharded.optimizer)
@@ -207,7 +206,8 @@ def _run(ctx: RankContext, case: StatefulCase, *, fresh: bool = False) -> Run:
     ]
     cls = getattr(torch.optim, train.optim.name)
     optimizer = cls(groups, **optimizer_kwargs(train.optim))
-    sharded = Sharded(wrapped, optimizer, dp_rank, replace(case.case, train=train))
+    # the case's own batches: the fresh seed initialises the model, never the data
+    sharded = Sharded(wrapped, optimizer, dp_rank, case.case)
     return Run(sharded, build_schedule(case.schedule, optimizer), kit.DataPosition())
 
 
@@ -228,7 +228,7 @@ def _finished(run: Run, lrs: list[list[float]]) -> StatefulRun:
 
 
 def uninterrupted_on_rank(ctx: RankContext, case: StatefulCase) -> StatefulRun:
-    run, lrs = _run(ctx, case), []
+    run, lrs = _run(ctx, case), list[list[float]]()
     _train(ctx, run, case.case.train.steps, lrs)
     return _finished(run, lrs)
 
@@ -246,7 +246,7 @@ def _dcp_state(run: Run) -> dict[str, Any]:
 
 
 def resumed_on_rank(ctx: RankContext, case: StatefulCase, directory: str) -> StatefulRun:
-    run, lrs = _run(ctx, case), []
+    run, lrs = _run(ctx, case), list[list[float]]()
     _train(ctx, run, case.save_at, lrs)
     dcp_save(_dcp_state(run), checkpoint_id=directory)
     resumed = _run(ctx, case, fresh=True)

@@ -110,6 +110,8 @@ CALLABLES: tuple[Entry, ...] = (
     *_entries("ddp_zero", "torch.distributed.optim", "ZeroRedundancyOptimizer"),
     *_entries("state_dict", "torch.distributed.checkpoint.state_dict", _STATE_DICT),
     *_entries("state_dict", "torch.distributed.checkpoint", _DCP),
+    # the stager an async save is handed, and its options
+    *_entries("state_dict", "torch.distributed.checkpoint.staging", "DefaultStager StagingOptions"),
     # checkpoint loads: a checkpoint's directory and a torch.save file are the call's data
     *(
         Entry("state_dict", f"{_FORMAT_UTILS}:{name}", ("dcp_checkpoint_dir", "torch_save_path"))
