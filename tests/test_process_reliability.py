@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,15 +25,6 @@ FIXTURES = Path(__file__).parent / "fixtures" / "process_reliability"
 WORLD_SIZE = 3
 GONE_WITHIN = 10.0
 """Seconds to poll for processes to disappear: a bound on a wait, not a measured figure."""
-
-
-@pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    """A temp dir with a short path: the drivers make it their TMPDIR, where the fork
-    server's socket must fit an AF_UNIX path (108 bytes; xdist's tmp_path can exceed it)."""
-    short = Path(tempfile.mkdtemp(prefix="dc-"))
-    yield short
-    shutil.rmtree(short, ignore_errors=True)
 
 
 def _driver_env(tmp_path: Path) -> dict[str, str]:

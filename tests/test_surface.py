@@ -265,22 +265,24 @@ def test_an_earlier_runs_surface_folder_moves_aside_with_its_records(tmp_path):
     assert not (tmp_path / outputs.SURFACE).exists()
 
 
-def test_a_run_records_the_options_its_tests_pass(tmp_path):
-    """One fast property of optim_parity: its FSDP meshes are drawn (seed 1)."""
+@pytest.mark.parametrize("runner", ["threads", "processes"])
+def test_a_run_records_the_options_its_tests_pass(tmp_path, short_tmp, runner):
+    """One fast property of optim_parity: its FSDP meshes are drawn (seed 1), on rank threads
+    in pytest's process, and in rank processes, where the driver makes no such call."""
     out = tmp_path / "out"
     command = [
         sys.executable, "-m", "harness", "run", "--surface", "--suite", "optim_parity",
-        "--profile", "dev", "--seed", "1", "--world-sizes", "2", "--jobs", "1", "--out",
-        str(out), "--", "-k", "test_optimizer_flags_train_like_one_device",
+        "--runner", runner, "--profile", "dev", "--seed", "1", "--world-sizes", "2",
+        "--jobs", "1", "--out", str(out), "--", "-k", "test_optimizer_flags_train_like_one_device",
     ]  # fmt: skip
     done = subprocess.run(
         command, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)},
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(short_tmp)},
     )  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     figures = surface_report.of_this_torch([out])
     statuses = {row.option: row.status for row in figures.rows}
     assert statuses["torch.distributed.fsdp.fully_shard(mesh)"] == "drawn"
     assert statuses["torch.distributed.fsdp.fully_shard(ignored_params)"] == "fixed"
-    assert figures.recorded.tests == 1
+    assert figures.recorded.tests == 1  # the reference on one device: the driver calls too
     assert "Public API options drawn: " in (out / outputs.REPORT).read_text()

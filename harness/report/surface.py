@@ -119,7 +119,10 @@ def read(directories: Sequence[Path]) -> Recorded:
             tests.add(str(record["test"]))
             _add(calls, record["calls"])
     return Recorded(
-        calls, len(paths), len(tests - {surface.OUTSIDE_TESTS}), tuple(sorted(versions))
+        calls,
+        len(paths),
+        len(tests - {surface.OUTSIDE_TESTS, surface.RANK_PROCESSES}),
+        tuple(sorted(versions)),
     )
 
 

@@ -43,7 +43,7 @@ from harness.runners.base import (
     released_outcome,
     skip_reason,
 )
-from harness.torchkit import reach
+from harness.torchkit import reach, surface
 
 STACK_SIGNAL = signal.SIGUSR1
 GLOO_INTERFACE_VAR = "GLOO_SOCKET_IFNAME"
@@ -96,6 +96,9 @@ class RankConfig:
     fault_files: tuple[str, ...] = ()
     reach_dir: str = ""
     """Where the rank records the DTensor ops it reaches (the driver's $DISTCONF_REACH_DIR)."""
+    surface_dir: str = ""
+    """Where the rank records the options its calls pass to the inventoried public API (the
+    driver's $DISTCONF_SURFACE_DIR)."""
     rendezvous: str = "file"
     """``file``: a FileStore per generation in ``directory`` (the process runner); ``env``:
     torchrun's store (``MASTER_ADDR``/``MASTER_PORT``), a key prefix per generation."""
@@ -429,6 +432,9 @@ class _Rank:
         internals.quiet_known_warnings()
         if config.reach_dir:
             reach.install(config.reach_dir)
+        if config.surface_dir:
+            surface.install(config.surface_dir)
+            surface.begin(surface.RANK_PROCESSES)
         # a mutation run: the driver's faults, here too
         faults.apply_in_rank(config.faults, config.fault_files)
         self.config = config
@@ -526,6 +532,7 @@ class _Rank:
             outcome = self._failure(exc)
         finally:
             reach.flush()
+            surface.flush()
         self._release_peers()
         return outcome
 

@@ -61,7 +61,7 @@ from harness.errors import WorldStartError, invalid
 from harness.runners import _rank_process
 from harness.runners.base import DEFAULT_TIMEOUT, RankOutcome
 from harness.runners.world import PersistentWorld
-from harness.torchkit import reach
+from harness.torchkit import reach, surface
 
 RUNNER = "processes"
 _START_TIMEOUT = 180.0
@@ -225,6 +225,7 @@ class _Pool:
             faults=self.faults[0],
             fault_files=self.faults[1],
             reach_dir=os.environ.get(reach.ENV_VAR, ""),
+            surface_dir=os.environ.get(surface.ENV_VAR, ""),
         )
         process = context.Process(
             target=_rank_process.main,

@@ -37,6 +37,9 @@ FILE_GLOB = "surface-*.jsonl"
 """The surface files of a directory, one per process that recorded."""
 OUTSIDE_TESTS = "(outside tests)"
 """The test calls made before the first test or between tests are recorded under."""
+RANK_PROCESSES = "(rank processes)"
+"""The test a rank process's calls are recorded under: the driver's calls to a rank carry
+no test, and every call a rank runs is some test's."""
 MOST_VALUES = 16
 """Distinct values kept per option and test; the others are counted under ``OTHER``."""
 OTHER = "(other values)"
