@@ -161,6 +161,7 @@ FAULTS: tuple[Fault, ...] = (
             CHECKPOINTS,
             "https://github.com/pytorch/pytorch/issues/125740",
             "https://github.com/pytorch/pytorch/pull/126569",
+            survived_before=True,
         ),
     ),
     # https://github.com/pytorch/pytorch/pull/147343 (save plan caching) and its fixes
@@ -181,6 +182,7 @@ FAULTS: tuple[Fault, ...] = (
             "https://github.com/pytorch/pytorch/pull/147343",
             "https://github.com/pytorch/pytorch/pull/148577",
             "https://github.com/pytorch/pytorch/pull/176289",
+            survived_before=True,
         ),
     ),
     # https://github.com/pytorch/pytorch/issues/148252 and PR
@@ -198,6 +200,7 @@ FAULTS: tuple[Fault, ...] = (
             CHECKPOINTS,
             "https://github.com/pytorch/pytorch/issues/148252",
             "https://github.com/pytorch/pytorch/pull/123869",
+            survived_before=True,
         ),
     ),
     # https://github.com/pytorch/pytorch/issues/126604, fixed by
@@ -219,6 +222,7 @@ FAULTS: tuple[Fault, ...] = (
             CHECKPOINTS,
             "https://github.com/pytorch/pytorch/issues/126604",
             "https://github.com/pytorch/pytorch/pull/141571",
+            survived_before=False,
         ),
     ),
     # https://github.com/pytorch/pytorch/issues/126881 (DCP loads only what the target state
@@ -242,6 +246,7 @@ FAULTS: tuple[Fault, ...] = (
             CHECKPOINTS,
             "https://github.com/pytorch/pytorch/issues/126881",
             "https://github.com/pytorch/pytorch/issues/118207",
+            survived_before=True,
         ),
     ),
     # https://github.com/pytorch/pytorch/pull/138575 and
@@ -263,6 +268,7 @@ FAULTS: tuple[Fault, ...] = (
             CHECKPOINTS,
             "https://github.com/pytorch/pytorch/pull/138575",
             "https://github.com/pytorch/pytorch/pull/139251",
+            survived_before=True,
         ),
     ),
     # https://github.com/pytorch/pytorch/pull/125877 (FileSystemWriter's overwrite flag: with
@@ -284,6 +290,7 @@ FAULTS: tuple[Fault, ...] = (
             CHECKPOINTS,
             "https://github.com/pytorch/pytorch/pull/125877",
             "https://github.com/pytorch/pytorch/pull/192183",
+            survived_before=True,
         ),
     ),
     # https://github.com/pytorch/pytorch/pull/192982 and
@@ -307,6 +314,7 @@ FAULTS: tuple[Fault, ...] = (
             CHECKPOINTS,
             "https://github.com/pytorch/pytorch/pull/192982",
             "https://github.com/pytorch/pytorch/pull/193022",
+            survived_before=False,
         ),
     ),
     # https://github.com/pytorch/pytorch/issues/144657, fixed by
@@ -325,6 +333,7 @@ FAULTS: tuple[Fault, ...] = (
             CHECKPOINTS,
             "https://github.com/pytorch/pytorch/issues/144657",
             "https://github.com/pytorch/pytorch/pull/145408",
+            survived_before=True,
         ),
     ),
     # https://github.com/pytorch/pytorch/pull/159374 ("[DCP] Improve error handling for process
@@ -338,6 +347,8 @@ FAULTS: tuple[Fault, ...] = (
         "save and resolves its future with None: a failed checkpoint (an existing directory "
         "with overwrite=False, a failing writer) looks successful",
         patches=(Patch(f"{_THREAD_EXECUTOR}:save_wrapper", _save_errors_logged),),
-        origin=blind(CHECKPOINTS, "https://github.com/pytorch/pytorch/pull/159374"),
+        origin=blind(
+            CHECKPOINTS, "https://github.com/pytorch/pytorch/pull/159374", survived_before=True
+        ),
     ),
 )

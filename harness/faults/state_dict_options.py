@@ -73,6 +73,7 @@ FAULTS: tuple[Fault, ...] = (
             CHECKPOINTS,
             "https://github.com/pytorch/pytorch/issues/119535",
             "https://github.com/pytorch/pytorch/pull/119573",
+            survived_before=True,
         ),
     ),
     # https://github.com/pytorch/pytorch/pull/127071 (flatten_optimizer_state_dict keys
@@ -92,6 +93,7 @@ FAULTS: tuple[Fault, ...] = (
             CHECKPOINTS,
             "https://github.com/pytorch/pytorch/pull/127071",
             "https://github.com/pytorch/pytorch/pull/148825",
+            survived_before=True,
         ),
     ),
     # https://github.com/pytorch/pytorch/pull/125338 (broadcast_from_rank0: broadcast the full
@@ -110,6 +112,7 @@ FAULTS: tuple[Fault, ...] = (
             CHECKPOINTS,
             "https://github.com/pytorch/pytorch/pull/125338",
             "https://github.com/pytorch/pytorch/pull/142845",
+            survived_before=True,
         ),
     ),
     # https://github.com/pytorch/pytorch/issues/126285 ("StateDictOptions(strict=True) gets
@@ -127,6 +130,7 @@ FAULTS: tuple[Fault, ...] = (
             CHECKPOINTS,
             "https://github.com/pytorch/pytorch/issues/126285",
             "https://github.com/pytorch/pytorch/pull/150239",
+            survived_before=True,
         ),
     ),
     # https://github.com/pytorch/pytorch/pull/189761 (the submodule prefix filter: "a prefix
@@ -146,6 +150,7 @@ FAULTS: tuple[Fault, ...] = (
             CHECKPOINTS,
             "https://github.com/pytorch/pytorch/pull/189761",
             "https://github.com/meta-pytorch/torchrec/pull/961",
+            survived_before=True,
         ),
     ),
     # https://github.com/pytorch/pytorch/issues/149516 ("StateDictOptions in combination with
@@ -164,6 +169,8 @@ FAULTS: tuple[Fault, ...] = (
                 rewritten(_MISSING_KEY_RAISED_UNLESS_STRICT),
             ),
         ),
-        origin=blind(CHECKPOINTS, "https://github.com/pytorch/pytorch/issues/149516"),
+        origin=blind(
+            CHECKPOINTS, "https://github.com/pytorch/pytorch/issues/149516", survived_before=True
+        ),
     ),
 )
