@@ -160,6 +160,9 @@ def _assert_resumed_exactly(world: World, case: StatefulCase) -> None:
         resumed = world.run(checks.resumed_on_rank, case, root)
     straight = world.run(checks.uninterrupted_on_rank, case)
     for rank, (got, want) in enumerate(zip(resumed, straight, strict=True)):
+        # dcp.load's docs: it loads in place, into the tensors and Stateful objects given
+        what = f"the state dict's entries dcp.load replaced instead of loading into, rank {rank}"
+        assert_equal_values(got.replaced, (), what=what)
         assert_equal_values(got.lrs, want.lrs, what=f"each group's lr after each step, rank {rank}")
         what = f"the data position's state on rank {rank}"
         assert_equal_values(got.position, want.position, what=what)

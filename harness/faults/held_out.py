@@ -270,6 +270,12 @@ mismatched tensor, converted, or saved asynchronously. What the checkpoints and
 checkpoint_loads suites (written meanwhile by contributors who had not read these faults)
 catch of the survivors, at the same profile, world size and runner: 1 of 14,
 dcp.partial_load_zeroes_absent_keys (state_dict.loads.strict_and_partial, 1 example).
+Two properties were then widened in general, by someone who had read the survivors'
+summaries: the converted torch.save file is compared entry by entry with a whole training
+state (the optimizer's steps and hyper-parameters too), and dcp.load must load in place
+(no entry of the state dict it is given replaced). That catches 3 of 14:
+dcp.to_torch_save_drops_non_tensors (state_dict.loads.single_process, 1 example) and
+dcp.stateful_replaced_by_its_state_dict (state_dict.checkpoint.stateful, 1) too.
 Why the others survive: most of those
 properties buy 2 examples a world size at ci, too few to meet an option drawn one time in
 several (overwrite=False over an earlier checkpoint, flatten_optimizer_state_dict with a
@@ -277,8 +283,7 @@ second group); enable_plan_caching is drawn on one rank thread only (world size 
 async_save and broadcast_from_rank0 on rank processes only; no model has a buffer
 (ignore_frozen_params), a wrapper other than fully_shard (strict=False under DDP), sibling
 modules whose names prefix each other (the submodules filter) or a per-rank plain value
-(dedup_save_to_lowest_rank); the converted torch.save file is compared tensor by tensor, a
-Stateful by what it restores.
+(dedup_save_to_lowest_rank).
 """
 
 from __future__ import annotations

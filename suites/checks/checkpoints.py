@@ -187,6 +187,9 @@ class StatefulRun:
     """Each group's lr after each step."""
     position: dict[str, Any]
     state: FullState
+    replaced: tuple[str, ...] = ()
+    """The top-level entries ``dcp.load`` replaced in the state dict it was given, where it
+    loads in place (tensors copied into, ``Stateful`` objects' ``load_state_dict`` called)."""
 
 
 def _run(ctx: RankContext, case: StatefulCase, *, fresh: bool = False) -> Run:
@@ -251,7 +254,9 @@ def resumed_on_rank(ctx: RankContext, case: StatefulCase, directory: str) -> Sta
     dcp_save(_dcp_state(run), checkpoint_id=directory)
     resumed = _run(ctx, case, fresh=True)
     state = _dcp_state(resumed)
+    given = dict(state)
     dcp_load(state, checkpoint_id=directory)
+    replaced = tuple(key for key, value in given.items() if state.get(key) is not value)
     set_state_dict(
         resumed.sharded.model,
         resumed.sharded.optimizer,
@@ -259,4 +264,4 @@ def resumed_on_rank(ctx: RankContext, case: StatefulCase, directory: str) -> Sta
         optim_state_dict=state["optim"],
     )
     _train(ctx, resumed, case.case.train.steps, lrs)
-    return _finished(resumed, lrs)
+    return replace(_finished(resumed, lrs), replaced=replaced)

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_s
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
+    get_state_dict,
     set_model_state_dict,
     set_state_dict,
 )
@@ -34,7 +35,7 @@ from harness.cases.loads import FailedSaveCase, KeyOptionsCase, MismatchCase, St
 from harness.cases.state_dict import StateDictCase
 from harness.torchkit.models import build_mlp
 from harness.torchkit.training import parallelize
-from suites.checks.state_dict import _full, fsdp_options
+from suites.checks.state_dict import _full, build, fsdp_options
 from suites.checks.state_dict_full import plain
 
 Values = dict[str, np.ndarray]
@@ -252,18 +253,54 @@ def failing_save_on_rank(ctx: RankContext, case: FailedSaveCase, directory: str)
 # --- without a process group (driver side) -----------------------------------------------------
 
 
+def save_trained_on_rank(ctx: RankContext, case: StateDictCase, directory: str) -> Leaves:
+    """One training step (the optimizer then holds state), then ``dcp.save`` of
+    ``{"model": ..., "optim": ...}`` as ``get_state_dict`` gives them; every leaf saved."""
+    sharded = build(ctx, case)
+    sharded.train(ctx, 0, 1)
+    model_sd, optim_sd = get_state_dict(sharded.model, sharded.optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp_save(state, checkpoint_id=directory)
+    return leaves(state)
+
+
+Leaves = dict[str, Any]
+"""A nested state dict's leaves by dotted path: tensors as full numpy values, the rest (an
+optimizer's steps, hyper-parameters and parameter names) as they are."""
+
+
+def leaves(state: Any, prefix: str = "") -> Leaves:
+    """``state``'s leaves (a DTensor's full value is a collective: every rank calls alike)."""
+    if isinstance(state, dict):
+        items: Any = state.items()
+    elif isinstance(state, (list, tuple)):
+        items = enumerate(state)
+    else:
+        value = _full(state) if isinstance(state, torch.Tensor) else state
+        return {prefix: value}
+    found: Leaves = {}
+    for key, value in items:
+        found.update(leaves(value, f"{prefix}.{key}" if prefix else str(key)))
+    return found
+
+
+def model_values(saved: Leaves) -> Values:
+    """The model's parameters among a saved training state's leaves, by parameter name."""
+    return {k.removeprefix("model."): v for k, v in saved.items() if k.startswith("model.")}
+
+
 def read_without_group(directory: str, like: Values) -> Values:
-    """``dcp.load(no_dist=True)`` into plain zero tensors of ``like``'s shapes and dtypes."""
-    state_dict = {k: torch.zeros(v.shape, dtype=_dtype(v)) for k, v in like.items()}
-    dcp_load(state_dict, checkpoint_id=directory, no_dist=True)
-    return {k: v.numpy() for k, v in state_dict.items()}
+    """``dcp.load(no_dist=True)`` of a training state's model into plain zero tensors of
+    ``like``'s shapes and dtypes."""
+    model = {k: torch.zeros(v.shape, dtype=_dtype(v)) for k, v in like.items()}
+    dcp_load({"model": model}, checkpoint_id=directory, no_dist=True)
+    return {k: v.numpy() for k, v in model.items()}
 
 
-def read_as_torch_save(directory: str, path: str) -> Values:
-    """``dcp_to_torch_save(directory, path)``, then ``torch.load(path)``."""
+def read_as_torch_save(directory: str, path: str) -> Leaves:
+    """``dcp_to_torch_save(directory, path)``, then ``torch.load(path)``: every leaf."""
     dcp_to_torch_save(directory, path)
-    loaded = torch.load(path, weights_only=True)
-    return {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in loaded.items()}
+    return leaves(torch.load(path, weights_only=True))
 
 
 def write_from_torch_save(like: Values, path: str, directory: str) -> None:
