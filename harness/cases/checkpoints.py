@@ -105,6 +105,12 @@ class AsyncCase:
     after: int
     checkpointer: str = "thread"
     staging: tuple[tuple[str, bool], ...] | None = None
+    storage_writer: bool = False
+    """A ``FileSystemWriter`` of the directory handed as ``storage_writer=`` (else
+    ``checkpoint_id=``)."""
+    planner: bool = False
+    """A ``DefaultSavePlanner()`` handed as ``planner=`` (else async_save's own)."""
+    use_collectives: bool = True
 
     def __post_init__(self) -> None:
         check_int("after", self.after, minimum=1)
@@ -114,6 +120,9 @@ class AsyncCase:
 
     def call(self) -> str:
         stager = "" if self.staging is None else f", {_spelled('DefaultStager', self.staging)}"
+        stager += ", storage_writer=FileSystemWriter(d)" if self.storage_writer else ""
+        stager += ", planner=DefaultSavePlanner()" if self.planner else ""
+        stager += "" if self.use_collectives else ", use_collectives=False"
         return (
             f"{self.case.call()}; dcp.async_save(async_checkpointer_type={self.checkpointer}"
             f"{stager}) then {self.after} step(s) before .result()"

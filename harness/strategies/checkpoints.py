@@ -132,13 +132,21 @@ def _options_cases(
 def async_cases(draw: st.DrawFn, world_size: int, *, accelerator: bool = False) -> AsyncCase:
     """A trained ``state_dict_cases`` case saved by ``dcp.async_save`` while it trains 1-2
     more steps; half the cases hand it a ``DefaultStager`` of drawn ``StagingOptions``
-    (``use_non_blocking_copy`` only on an ``accelerator``)."""
+    (``use_non_blocking_copy`` only on an ``accelerator``); its storage writer, planner and
+    ``use_collectives`` drawn too (a rank-local save is loaded back at its own layout)."""
     case = draw(state_dict_cases(world_size))
     staging = None
     if draw(st.booleans()):
         names = STAGING_OPTIONS + (("use_non_blocking_copy",) if accelerator else ())
         staging = tuple((name, draw(st.booleans())) for name in names)
-    return AsyncCase(case, after=draw(st.integers(1, 2)), staging=staging)
+    return AsyncCase(
+        case,
+        after=draw(st.integers(1, 2)),
+        staging=staging,
+        storage_writer=draw(st.booleans()),
+        planner=draw(st.booleans()),
+        use_collectives=draw(st.booleans()),
+    )
 
 
 EMPTY_GROUPS = ("none", "last", "before")

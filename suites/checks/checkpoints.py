@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_model_state_dict,
@@ -142,12 +143,19 @@ def async_on_rank(ctx: RankContext, case: AsyncCase, directory: str) -> AsyncSta
     at_call = full_state(sharded.model, sharded.optimizer)
     stager = kit.stager(case.staging)
     try:
+        where: dict[str, Any] = (
+            {"storage_writer": FileSystemWriter(directory)}
+            if case.storage_writer
+            else {"checkpoint_id": directory}
+        )
         response = dcp_async_save(
             _state(sharded, ()),
-            checkpoint_id=directory,
+            **where,
+            planner=DefaultSavePlanner() if case.planner else None,
             process_group=kit.checkpoint_group(),
             async_checkpointer_type=AsyncCheckpointerType(case.checkpointer),
             async_stager=stager,
+            use_collectives=case.use_collectives,
         )
         if isinstance(response, AsyncSaveResponse):
             # async staging: the docs ask to wait for staging before changing the state
