@@ -97,8 +97,7 @@ class RankConfig:
     reach_dir: str = ""
     """Where the rank records the DTensor ops it reaches (the driver's $DISTCONF_REACH_DIR)."""
     surface_dir: str = ""
-    """Where the rank records the options its calls pass to the inventoried public API (the
-    driver's $DISTCONF_SURFACE_DIR)."""
+    """Where the rank records the options it passes to the public API ($DISTCONF_SURFACE_DIR)."""
     rendezvous: str = "file"
     """``file``: a FileStore per generation in ``directory`` (the process runner); ``env``:
     torchrun's store (``MASTER_ADDR``/``MASTER_PORT``), a key prefix per generation."""
