@@ -12,11 +12,8 @@ Every comparison is exact: loading moves values, and a documented cast is numpy'
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -43,6 +40,7 @@ from harness.torchkit.models import build_mlp
 from suites.checks import loads as checks
 from suites.checks import loads_api
 from suites.checks import state_dict as checks_sd
+from suites.checks.directories import driver_directory
 from suites.checks.loads import Loaded, Values
 
 # Each example builds one or two sharded models (no training) and most write and read a
@@ -52,16 +50,6 @@ PROPERTY = costly(12)
 # A property split over parameters (each a test of its own): 2 examples each at world size 2
 # (ci, ws1-4: failed_save 7 s, mismatch_refused 18 s, strict_and_partial 23 s).
 SPLIT = costly(50)
-
-
-@contextlib.contextmanager
-def _checkpoints() -> Iterator[str]:
-    """A directory every rank of every World sees (made and removed by the driver)."""
-    root = tempfile.mkdtemp(prefix="distconf-loads-")
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def _refused_naming(errors: Sequence[str | None], keys: Sequence[str], what: str) -> None:
@@ -95,7 +83,7 @@ def test_dcp_strict_load_refuses_missing_keys_and_a_partial_load_fills_what_is_t
     keys = linear_keys(case.loading.train.dims, case.loading.train.bias)
     missing = [k for k in keys if k not in saved_keys]
     loading = worlds.get(case.loading_size)
-    with _checkpoints() as root:
+    with driver_directory("distconf-loads-") as root:
         saved = world.run(checks.save_model_on_rank, case.reshard.save, root)[0]
         strict = loading.run(checks.load_model_on_rank, case.loading, root)
         partial = loading.run(checks.load_model_on_rank, case.loading, root, True)
@@ -170,7 +158,7 @@ def test_a_tensor_of_another_shape_or_dtype_is_refused_or_cast_as_documented(
     case = data.draw(mismatch_cases(world.world_size, worlds.sizes, mismatch, via), label="case")
     parity.attach(case.call())
     if via == "dcp":
-        with _checkpoints() as root:
+        with driver_directory("distconf-loads-") as root:
             saved = world.run(checks.save_model_on_rank, case.reshard.save, root)[0]
             seen = worlds.get(case.load_size).run(checks.load_model_on_rank, case.loading, root)
     else:
@@ -260,7 +248,7 @@ def test_a_checkpoint_of_n_ranks_reads_without_a_process_group(
     case = data.draw(single_process_cases(world.world_size, worlds.sizes), label="case")
     parity.attach(f"{case.call()}; dcp.load(no_dist=True), dcp_to_torch_save, torch_save_to_dcp")
     loading = worlds.get(int(np.prod(case.load.train.mesh_shape)))
-    with _checkpoints() as root:
+    with driver_directory("distconf-loads-") as root:
         state = world.run(checks.save_trained_on_rank, case.save, root)[0]
         saved = checks.model_values(state)
         read = checks.read_without_group(root, saved)
@@ -298,7 +286,7 @@ def test_a_failed_save_raises_everywhere_and_leaves_the_last_checkpoint(
     case = data.draw(failed_save_cases(world.world_size, worlds.sizes, target), label="case")
     parity.attach(case.call())
     loading = worlds.get(int(np.prod(case.load.train.mesh_shape)))
-    with _checkpoints() as root:
+    with driver_directory("distconf-loads-") as root:
         first = os.path.join(root, "first")
         second = first if target == "same" else os.path.join(root, "second")
         saved = world.run(checks.save_model_on_rank, case.case, first)[0]
@@ -328,7 +316,7 @@ def test_process_group_use_collectives_and_no_dist_load_back_what_was_saved(
 ) -> None:
     case = data.draw(coordination_cases(world.world_size, worlds.sizes), label="case")
     parity.attach(case.call())
-    with _checkpoints() as root:
+    with driver_directory("distconf-loads-") as root:
         saved = world.run(loads_api.coordinated_save_on_rank, case, root)[0]
         seen = worlds.get(case.load_size).run(loads_api.coordinated_load_on_rank, case, root)
     for rank, got in enumerate(seen):
@@ -347,7 +335,7 @@ def test_a_rank_local_checkpoint_loaded_at_another_layout_is_refused_or_loads(
         pytest.skip("a rank-local checkpoint read for other ranks' pieces needs 2+ ranks")
     case = data.draw(rank_local_reshard_cases(world.world_size), label="case")
     parity.attach(case.call())
-    with _checkpoints() as root:
+    with driver_directory("distconf-loads-") as root:
         saved = world.run(loads_api.rank_local_save_on_rank, case, root)[0]
         seen = world.run(loads_api.rank_local_load_on_rank, case, root)
     if all(got.error is not None for got in seen):

@@ -7,11 +7,7 @@ nothing, and training on repeats the same arithmetic on the same ranks."""
 
 from __future__ import annotations
 
-import contextlib
 import math
-import shutil
-import tempfile
-from collections.abc import Iterator
 
 import pytest
 from hypothesis import given
@@ -28,18 +24,8 @@ from harness.strategies import (
     stateful_cases,
 )
 from suites.checks import checkpoints as checks
+from suites.checks.directories import driver_directory
 from suites.checks.state_dict import assert_same_state
-
-
-@contextlib.contextmanager
-def _checkpoints() -> Iterator[str]:
-    """A directory every rank of every World sees (made and removed by the driver)."""
-    root = tempfile.mkdtemp(prefix="distconf-ckpt-")
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
 
 # Each example trains, saves and loads at two world sizes: about 2 s on threads, so the
 # 8-example floor (2 per world size) costs 15 s at ci over world sizes 1-4 (processes: 100 s).
@@ -63,7 +49,7 @@ def _assert_options_roundtrip(
     case = data.draw(strategy, label="case")
     parity.attach(case.call())
     loading = worlds.get(math.prod(case.reshard.load.train.mesh_shape))
-    with _checkpoints() as root:
+    with driver_directory("distconf-ckpt-") as root:
         saved = world.run(checks.options_save_on_rank, case, root)
         refused = case.rewrite == "over_earlier" and not case.options.overwrite
         for rank, (_, error) in enumerate(saved):
@@ -118,7 +104,7 @@ def test_a_nested_state_dict_saved_unflattened_loads_back(
 ) -> None:
     case = data.draw(state_dict_cases(world.world_size), label="case")
     parity.attach(f"{case.call()}; DefaultSavePlanner(flatten_state_dict=False) both ways")
-    with _checkpoints() as root:
+    with driver_directory("distconf-ckpt-") as root:
         states = world.run(checks.unflattened_on_rank, case, root)
     for rank, (saved, loaded) in enumerate(states):
         assert_same_state(loaded, saved, what=f"the state loaded on rank {rank}")
@@ -141,7 +127,7 @@ ASYNC_ON_THREADS = (
 def test_async_save_holds_the_state_at_the_call(world: World, data: st.DataObject) -> None:
     case = data.draw(async_cases(world.world_size, accelerator=world.device != "cpu"), label="case")
     parity.attach(case.call())
-    with _checkpoints() as root:
+    with driver_directory("distconf-ckpt-") as root:
         states = world.run(checks.async_on_rank, case, root)
     for rank, seen in enumerate(states):
         what = f"the checkpoint async_save wrote, loaded on rank {rank}"
@@ -156,7 +142,7 @@ STATEFUL = costly(50)
 
 
 def _assert_resumed_exactly(world: World, case: StatefulCase) -> None:
-    with _checkpoints() as root:
+    with driver_directory("distconf-ckpt-") as root:
         resumed = world.run(checks.resumed_on_rank, case, root)
     straight = world.run(checks.uninterrupted_on_rank, case)
     for rank, (got, want) in enumerate(zip(resumed, straight, strict=True)):

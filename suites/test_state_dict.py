@@ -9,11 +9,7 @@ nothing, and training on after a load repeats the same arithmetic on the same ra
 
 from __future__ import annotations
 
-import contextlib
 import math
-import shutil
-import tempfile
-from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -46,6 +42,7 @@ from suites.checks import dcp_layouts as layouts
 from suites.checks import state_dict as checks
 from suites.checks import state_dict_dcp as dcp
 from suites.checks import state_dict_full as full
+from suites.checks.directories import driver_directory
 from suites.checks.state_dict import assert_loaded_like, assert_same_state
 
 # Each example builds, trains and reloads sharded models (and some write checkpoints):
@@ -451,16 +448,6 @@ def test_pinned_offload_on_an_accelerator(world: World, data: st.DataObject) -> 
 # --- DCP: checkpoints across world sizes, resumed training ---------------------------------
 
 
-@contextlib.contextmanager
-def _checkpoints() -> Iterator[str]:
-    """A directory every rank of every World sees (made and removed by the driver)."""
-    root = tempfile.mkdtemp(prefix="distconf-dcp-")
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
 @pytest.mark.spec("state_dict.dcp.reshard")
 @PROPERTY
 @given(data=st.data())
@@ -470,7 +457,7 @@ def test_dcp_checkpoint_loads_at_another_world_size(
     case = data.draw(reshard_cases(world.world_size, worlds.sizes), label="case")
     parity.attach(case.call())
     loading = worlds.get(math.prod(case.load.train.mesh_shape))
-    with _checkpoints() as root:
+    with driver_directory("distconf-dcp-") as root:
         saved = world.run(dcp.dcp_save_on_rank, case.save, root)
         loaded = loading.run(dcp.dcp_load_on_rank, case.load, root)
     for rank, state in enumerate(saved):
@@ -495,7 +482,7 @@ def test_dcp_load_refuses_a_checkpoint_without_a_key(
     grown = replace(case.load, train=replace(case.load.train, dims=(*dims, dims[-1])))
     missing = f"model.{2 * (len(dims) - 1)}.weight"  # Linear, ReLU, Linear, ...: the new Linear
     loading = worlds.get(math.prod(grown.train.mesh_shape))
-    with _checkpoints() as root:
+    with driver_directory("distconf-dcp-") as root:
         world.run(dcp.dcp_save_on_rank, case.save, root)
         errors = loading.run(dcp.dcp_load_error_on_rank, grown, root)
     for rank, error in enumerate(errors):
@@ -521,7 +508,7 @@ def test_dcp_loads_dtensors_of_any_layout_into_any_other(
     case = data.draw(dcp_layout_cases(world.world_size, worlds.sizes), label="case")
     parity.attach(case.call())
     loading = worlds.get(case.load_size)
-    with _checkpoints() as root:
+    with driver_directory("distconf-dcp-") as root:
         _refused_alike("dcp.save", world.run(layouts.save_on_rank, case, root), case)
         loaded = loading.run(layouts.load_on_rank, case, root)
     _refused_alike("dcp.load", [outcome.error for outcome in loaded], case)
@@ -573,7 +560,7 @@ def test_resumed_training_ends_where_uninterrupted_training_does(
     case = data.draw(resume_cases(world.world_size, worlds.sizes), label="case")
     parity.attach(case.call())
     phases, history = resume.plan(case.start, case.actions)
-    with _checkpoints() as root:
+    with driver_directory("distconf-dcp-") as root:
         for phase in phases:
             resumed = worlds.get(phase.world_size).run(dcp.resumed_phase_on_rank, case, phase, root)
     state = None

@@ -15,11 +15,6 @@ forward, which gives the same gradients)."""
 
 from __future__ import annotations
 
-import contextlib
-import shutil
-import tempfile
-from collections.abc import Iterator
-
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -31,6 +26,7 @@ from harness.profiles import costly
 from harness.strategies import mid_step_cases, tied_after_forward_cases
 from specs import resume
 from suites.checks import state_dict_steps as steps
+from suites.checks.directories import driver_directory
 from suites.checks.state_dict import assert_same_state
 
 # Each example builds and trains a module graph three times (uninterrupted, taking the state
@@ -41,20 +37,10 @@ from suites.checks.state_dict import assert_same_state
 PROPERTY = costly(4)
 
 
-@contextlib.contextmanager
-def _checkpoint_dir() -> Iterator[str]:
-    """A directory every rank sees (made and removed by the driver; ranks invent nothing)."""
-    root = tempfile.mkdtemp(prefix="distconf-mid-step-")
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
 def _check_mid_step(world: World, case: MidStepCase) -> None:
     parity.attach(case.call())
     reference = world.run(steps.uninterrupted_on_rank, case)
-    with _checkpoint_dir() as root:
+    with driver_directory("distconf-mid-step-") as root:
         interrupted = world.run(steps.interrupted_on_rank, case, root)
     first = resume.resume_step(case.at_step, case.point)
     for rank, ((continued, resumed), want) in enumerate(zip(interrupted, reference, strict=True)):
