@@ -119,13 +119,13 @@ class AsyncCase:
             check_one_of("staging option", name, (*STAGING_OPTIONS, "use_non_blocking_copy"))
 
     def call(self) -> str:
-        stager = "" if self.staging is None else f", {_spelled('DefaultStager', self.staging)}"
-        stager += ", storage_writer=FileSystemWriter(d)" if self.storage_writer else ""
-        stager += ", planner=DefaultSavePlanner()" if self.planner else ""
-        stager += "" if self.use_collectives else ", use_collectives=False"
+        options = "" if self.staging is None else f", {_spelled('DefaultStager', self.staging)}"
+        options += ", storage_writer=FileSystemWriter(d)" if self.storage_writer else ""
+        options += ", planner=DefaultSavePlanner()" if self.planner else ""
+        options += "" if self.use_collectives else ", use_collectives=False"
         return (
             f"{self.case.call()}; dcp.async_save(async_checkpointer_type={self.checkpointer}"
-            f"{stager}) then {self.after} step(s) before .result()"
+            f"{options}) then {self.after} step(s) before .result()"
         )
 
 
