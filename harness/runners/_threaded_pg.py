@@ -28,6 +28,7 @@ from torch._C._distributed_c10d import AllreduceOptions, ReduceScatterOptions
 from torch.testing._internal.distributed import multi_threaded_pg as _upstream
 
 from harness.errors import CollectiveMismatch, RunnerUnsupported
+from harness.runners import _ddp_active
 from harness.runners.capacity import THREADED_BACKEND
 
 BACKEND = THREADED_BACKEND
@@ -358,6 +359,7 @@ def install() -> None:
             _upstream._install_threaded_pg()
             _give_world_comms(_upstream.ThreadLocalWorld)
             torch._C._distributed_c10d._set_thread_isolation_mode(True)  # type: ignore[attr-defined]
+            _ddp_active.install()
             _installed = True
         if not _registered:
             dist.Backend.register_backend(BACKEND, _create_group, devices=["cpu", "cuda"])
@@ -405,6 +407,7 @@ def _uninstall() -> None:
     # torch cannot report the mode; off is its default, and only this module sets it.
     torch._C._distributed_c10d._set_thread_isolation_mode(False)  # type: ignore[attr-defined]
     _upstream._uninstall_threaded_pg()
+    _ddp_active.uninstall()
     _installed = False
 
 
