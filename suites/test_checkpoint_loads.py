@@ -22,6 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness import World, Worlds, parity
+from harness.cases.load_options import CoordinationCase
 from harness.cases.loads import linear_keys
 from harness.parity import assert_array_equal, assert_equal_values, failure
 from harness.profiles import costly
@@ -32,6 +33,7 @@ from harness.strategies import (
     key_options_cases,
     mismatch_cases,
     partial_load_cases,
+    rank_local_no_dist_cases,
     rank_local_reshard_cases,
     single_process_cases,
     strict_set_cases,
@@ -314,7 +316,23 @@ def test_a_failed_save_raises_everywhere_and_leaves_the_last_checkpoint(
 def test_process_group_use_collectives_and_no_dist_load_back_what_was_saved(
     world: World, worlds: Worlds, data: st.DataObject
 ) -> None:
-    case = data.draw(coordination_cases(world.world_size, worlds.sizes), label="case")
+    _check_coordination(
+        world, worlds, data.draw(coordination_cases(world.world_size, worlds.sizes), label="case")
+    )
+
+
+@pytest.mark.spec("state_dict.loads.rank_local_no_dist")
+@pytest.mark.world_size(min=2)
+@PROPERTY
+@given(data=st.data())
+def test_a_rank_local_checkpoint_loaded_no_dist_on_every_rank_loads_each_ranks_pieces(
+    world: World, worlds: Worlds, data: st.DataObject
+) -> None:
+    case = data.draw(rank_local_no_dist_cases(world.world_size), label="case")
+    _check_coordination(world, worlds, case)
+
+
+def _check_coordination(world: World, worlds: Worlds, case: CoordinationCase) -> None:
     parity.attach(case.call())
     with driver_directory("distconf-loads-") as root:
         saved = world.run(loads_api.coordinated_save_on_rank, case, root)[0]

@@ -37,6 +37,7 @@ from harness.strategies.knobs import KNOB_FAMILIES
 from harness.strategies.load_options import (
     api_options_cases,
     coordination_cases,
+    rank_local_no_dist_cases,
     rank_local_reshard_cases,
 )
 from harness.strategies.loads import (
@@ -193,6 +194,7 @@ __all__ = [
     "placements",
     "prepare_cases",
     "program_cases",
+    "rank_local_no_dist_cases",
     "rank_local_reshard_cases",
     "redistribute_cases",
     "reshape_cases",

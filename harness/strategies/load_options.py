@@ -47,7 +47,32 @@ def _coordination_cases(
         load = replace(save, train=replace(save.train, seed=seed))
     else:
         load = replace(reshard.load, train=replace(reshard.load.train, steps=0))
-    return CoordinationCase(ReshardCase(save, load), save_how, draw(sampled(LOAD_COORDINATIONS)))
+    loads = RANK_LOCAL_LOADS if save_how == "rank_local" else LOAD_COORDINATIONS
+    return CoordinationCase(ReshardCase(save, load), save_how, draw(sampled(loads)))
+
+
+RANK_LOCAL_LOADS = tuple(how for how in LOAD_COORDINATIONS if how != "no_dist")
+"""How ``coordination_cases`` loads a rank-local checkpoint: a ``no_dist`` load of one is
+``rank_local_no_dist_cases``' (every rank reads rank 0's metadata in torch 2.13 and 2.15)."""
+
+
+def rank_local_no_dist_cases(world_size: int) -> st.SearchStrategy[CoordinationCase]:
+    """An fsdp model of 2+ ranks (each holding rows of its first weight) saved rank-locally
+    (``use_collectives=False``) and loaded by the same layout (another seed) with
+    ``no_dist=True`` on every rank."""
+    check_int("world_size", world_size, 2)
+    return _rank_local_no_dist_cases(world_size)
+
+
+@st.composite
+def _rank_local_no_dist_cases(draw: st.DrawFn, world_size: int) -> CoordinationCase:
+    save = draw(state_dict_cases(world_size, layouts=("fsdp",), steps=(0, 0)))
+    # every rank holds rows of the first weight: none is left with an empty piece
+    dims = save.train.dims
+    dims = (dims[0], max(dims[1], world_size), *dims[2:])
+    save = replace(save, train=replace(save.train, dims=dims))
+    load = replace(save, train=replace(save.train, seed=(save.train.seed + 1) % 2**32))
+    return CoordinationCase(ReshardCase(save, load), "rank_local", "no_dist")
 
 
 def rank_local_reshard_cases(world_size: int) -> st.SearchStrategy[RankLocalReshardCase]:
