@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from harness import World, Worlds, parity
 from harness.cases.load_options import CoordinationCase
-from harness.cases.loads import linear_keys
+from harness.cases.loads import BUFFER, KeyOptionsCase, linear_keys
 from harness.parity import assert_array_equal, assert_equal_values, failure
 from harness.profiles import costly
 from harness.strategies import (
@@ -38,7 +38,7 @@ from harness.strategies import (
     single_process_cases,
     strict_set_cases,
 )
-from harness.torchkit.models import build_mlp
+from harness.torchkit.models import build_keyed_mlp, build_mlp
 from suites.checks import loads as checks
 from suites.checks import loads_api
 from suites.checks import state_dict as checks_sd
@@ -201,14 +201,9 @@ def test_state_dict_options_choose_the_keys_and_keep_the_values(
 ) -> None:
     case = data.draw(key_options_cases(world.world_size), label="case")
     parity.attach(case.call())
-    model = build_mlp(case.case.train, torch.device("cpu"))
+    buffer = BUFFER if case.buffer else None
+    model = build_keyed_mlp(case.case.train, torch.device("cpu"), case.names, buffer)
     reference = {k: v.numpy() for k, v in model.state_dict().items()}
-    if case.submodule is not None and not case.keep_prefixes:
-        reference = {
-            k.removeprefix(f"{case.submodule}."): v
-            for k, v in reference.items()
-            if k.startswith(f"{case.submodule}.")
-        }
     held_by = 1 if case.full and case.cpu_offload else world.world_size  # documented: rank 0
     ignored = [k for k in case.frozen if case.ignore_frozen]
     for rank, seen in enumerate(world.run(checks.key_options_on_rank, case)):
@@ -219,8 +214,10 @@ def test_state_dict_options_choose_the_keys_and_keep_the_values(
             assert_equal_values(seen.devices, {"cpu"}, what=f"devices on rank {rank}")
         for key in want:  # exact: a state dict holds the model's values
             assert_array_equal(seen.values[key], reference[key], what=f"{key} on rank {rank}")
-        if case.submodule is not None or (case.full and case.cpu_offload):
-            continue  # rank 0's alone, or a submodule's: not the model's state dict
+        if case.submodule is not None:
+            _assert_submodule_keys(case, seen, reference, rank if held else None)
+        if case.full and case.cpu_offload:
+            continue  # rank 0's alone
         what = f"set_model_state_dict(strict={case.strict}) of it on rank {rank}"
         # A full state dict lacking keys is neither refused nor its keys reported missing
         # (torch fills them from the model itself): state_dict.loads.strict_and_partial's
@@ -231,11 +228,66 @@ def test_state_dict_options_choose_the_keys_and_keep_the_values(
         assert_equal_values(seen.set_error, None, what=f"error of {what}")
         if not case.full:
             reported: tuple[list[str], list[str]] = (sorted(ignored), [])
-            assert_equal_values(seen.incompatible, reported, what=f"keys {what} returned")
-        full = {k: v.numpy() for k, v in model.state_dict().items()}
+            # a DDP model's are named with its module. prefix in torch 2.13: spec
+            # state_dict.loads.wrapped_missing_keys
+            assert_equal_values(
+                _unwrapped(seen.incompatible), reported, what=f"keys {what} returned"
+            )
         loaded = [k for k in case.keys if k not in ignored]
-        _assert_values(seen.loaded, full, loaded, f"after {what}")
+        _assert_values(seen.loaded, reference, loaded, f"after {what}")
         _assert_values(seen.loaded, seen.fresh, ignored, f"(left out) after {what}")
+
+
+def _unwrapped(keys: tuple[list[str], list[str]] | None) -> tuple[list[str], list[str]] | None:
+    if keys is None:
+        return None
+    missing, unexpected = keys
+    return [k.removeprefix("module.") for k in missing], [
+        k.removeprefix("module.") for k in unexpected
+    ]
+
+
+# A DDP model built, its state dict taken and set: about twice a placement example (ci,
+# ws1-4: 3 s).
+WRAPPED_MISSING = costly(50)
+
+
+@pytest.mark.spec("state_dict.loads.wrapped_missing_keys")
+@WRAPPED_MISSING
+@given(data=st.data())
+def test_a_wrapped_model_reports_missing_keys_by_their_fqns(
+    world: World, data: st.DataObject
+) -> None:
+    case = data.draw(key_options_cases(world.world_size, wrapped_missing=True), label="case")
+    parity.attach(case.call())
+    ignored = sorted(case.frozen)
+    for rank, seen in enumerate(world.run(checks.key_options_on_rank, case)):
+        what = f"set_model_state_dict(strict=False) of a DDP model's state dict on rank {rank}"
+        assert_equal_values(seen.set_error, None, what=f"error of {what}")
+        # "the missing keys of the model state_dict" (its docs): the state dict the API
+        # gives and takes, keyed by canonical FQNs, without DDP's module. prefix
+        what = f"(missing, unexpected) keys {what} returned"
+        assert_equal_values(seen.incompatible, (ignored, []), what=what)
+
+
+def _assert_submodule_keys(
+    case: KeyOptionsCase, seen: checks.KeyOptionsSeen, reference: Values, rank: int | None
+) -> None:
+    """The submodule's state dict holds its keys alone (no sibling's whose name extends its
+    own), its prefix kept as keep_submodule_prefixes says, the model's values; rank None:
+    one that holds nothing (cpu_offload's full state dict is rank 0's)."""
+    prefix = case.submodule_prefix
+    # ignore_frozen_params is drawn for a submodule only where nothing is frozen
+    full_keys = [k for k in case.keys if k.startswith(prefix)]
+    want = case.submodule_keys if rank is not None else []
+    what = (
+        f"keys of submodules={{model.{prefix[:-1]}}}'s state dict "
+        f"(keep_submodule_prefixes={case.keep_prefixes}) on rank {rank}"
+    )
+    assert_equal_values(seen.submodule_keys, want, what=what)
+    for key, full_key in zip(want, full_keys, strict=False):
+        got = seen.submodule_values[key]
+        assert_array_equal(got, reference[full_key], what=f"submodule's {key} on rank {rank}")
 
 
 # --- without a process group ------------------------------------------------------------------

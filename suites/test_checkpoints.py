@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness import World, Worlds, parity
-from harness.cases.checkpoints import StatefulCase
+from harness.cases.checkpoints import OptionsCase, StatefulCase
 from harness.parity import assert_equal_values, failure
 from harness.profiles import costly
 from harness.strategies import (
@@ -35,15 +35,11 @@ OPTIONS = costly(50)
 def _assert_options_roundtrip(
     world: World, worlds: Worlds, data: st.DataObject, *, flattened_full_load: bool
 ) -> None:
-    threads = world.runner == "threads"
-    # enable_plan_caching's cache is a class attribute: rank threads of one process would
-    # share it, but one rank thread has nothing to share with
-    caching = not threads or world.world_size == 1
     strategy = dcp_options_cases(
         world.world_size,
         worlds.sizes,
-        broadcast=not threads,
-        plan_caching=caching,
+        broadcast=world.runner != "threads",
+        plan_caching=True,
         flattened_full_load=flattened_full_load,
     )
     case = data.draw(strategy, label="case")
@@ -51,27 +47,43 @@ def _assert_options_roundtrip(
     loading = worlds.get(math.prod(case.reshard.load.train.mesh_shape))
     with driver_directory("distconf-ckpt-") as root:
         saved = world.run(checks.options_save_on_rank, case, root)
-        refused = case.rewrite == "over_earlier" and not case.options.overwrite
-        for rank, (_, error) in enumerate(saved):
-            if refused:
+        for rank, seen in enumerate(saved):
+            if case.refused:
                 # FileSystemWriter(overwrite=False) documents "whether to allow overwriting
                 # existing checkpoints": a directory holding one is refused
-                if error is None or "Checkpoint already exists" not in error:
+                if seen.refusal is None or "Checkpoint already exists" not in seen.refusal:
                     raise failure(
-                        f"rank {rank}: got {error!r}, should refuse to write over an earlier "
-                        "checkpoint with 'Checkpoint already exists' (overwrite=False)"
+                        f"rank {rank}: got {seen.refusal!r}, should refuse to write over an "
+                        "earlier checkpoint with 'Checkpoint already exists' (overwrite=False)"
                     )
             else:
-                assert_equal_values(error, None, what=f"what dcp.save raised on rank {rank}")
-        if refused:
-            return
+                what = f"what dcp.save over an earlier checkpoint raised on rank {rank}"
+                assert_equal_values(seen.refusal, None, what=what)
+            assert_equal_values(seen.error, None, what=f"what dcp.save raised on rank {rank}")
         loaded = loading.run(checks.options_load_on_rank, case, root)
-    state = saved[0][0]
-    for rank, (got, _) in enumerate(saved):
-        assert_same_state(got, state, what=f"the state gathered on saving rank {rank}")
-    for rank, got in enumerate(loaded):
+    state = saved[0].state
+    for rank, seen in enumerate(saved):
+        assert_same_state(seen.state, state, what=f"the state gathered on saving rank {rank}")
+    for rank, (got, _) in enumerate(loaded):
         what = f"the state loaded on rank {rank} of {loading.world_size}"
         assert_same_state(got, state, what=what)
+    _assert_one_rank_values(case, [seen.own for seen in saved], [own for _, own in loaded])
+
+
+def _assert_one_rank_values(
+    case: OptionsCase, saved: list[checks.RankValues], loaded: list[checks.RankValues]
+) -> None:
+    """Plain values each rank saved under a key every rank shares are saved once: every
+    loading rank reads one saving rank's, rank 0's under dedup_save_to_lowest_rank ("save
+    all replicated items on the lowest rank", its docs), exactly."""
+    lowest = dict(case.options.save_planner).get("dedup_save_to_lowest_rank", False)
+    for rank, got in enumerate(loaded):
+        what = f"the per-rank losses and name loaded on rank {rank}"
+        if lowest:
+            assert_equal_values(got, saved[0], what=f"{what} (the lowest rank's)")
+        elif got not in saved:
+            raise failure(f"{what}: got {got!r}, should be one saving rank's of {saved!r}")
+        assert_equal_values(got, loaded[0], what=f"{what} (against rank 0's)")
 
 
 @pytest.mark.spec("state_dict.checkpoint.options_roundtrip")

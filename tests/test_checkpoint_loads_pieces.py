@@ -17,6 +17,7 @@ from harness.cases.loads import (
     PartialLoadCase,
     StrictSetCase,
     changed_dims,
+    child_names,
     linear_keys,
 )
 from harness.errors import InvalidArgument
@@ -36,6 +37,9 @@ FAST = settings(max_examples=15, deadline=None)
 
 def test_linear_keys_and_changed_dims():
     assert linear_keys((3, 4, 5), True) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    prefixing = linear_keys((3, 4, 5), False, "prefixing", buffer=True)
+    assert prefixing == ["layer.weight", "layer.running_mean", "layer2.weight"]
+    assert child_names((3, 4, 5, 6), "prefixing") == ("layer", "act1", "layer2", "act2", "layer3")
     assert linear_keys((3, 4), False) == ["0.weight"]
     assert changed_dims((3, 4), "grown") == (3, 4, 4)
     assert changed_dims((3, 4, 5), "shrunk") == (3, 4)
@@ -67,10 +71,17 @@ def test_strategies_draw_valid_cases(data: st.DataObject, size: int) -> None:
             assert differs
             assert via == "dcp" or case.load_size == size
     options = data.draw(key_options_cases(size))
-    stripped = {k.removeprefix(f"{options.submodule}.") for k in options.keys}
-    assert set(options.expected_keys) <= stripped | set(options.keys)
-    if options.submodule is not None and options.frozen:
-        assert not options.ignore_frozen
+    assert set(options.expected_keys) <= set(options.keys)
+    assert len(options.case.train.dims) >= 3 and options.buffer
+    if options.submodule is not None:
+        prefix = options.submodule_prefix
+        assert all(
+            f"{prefix}{k}" in options.keys or k in options.keys for k in options.submodule_keys
+        )
+        assert not (options.frozen and options.submodule_ignores_frozen)
+    wrapped = data.draw(key_options_cases(size, wrapped_missing=True))
+    assert wrapped.wrapper == "ddp" and wrapped.frozen and wrapped.ignore_frozen
+    assert not wrapped.strict and not wrapped.full and wrapped.submodule is None
     reshard = data.draw(single_process_cases(size, sizes))
     assert reshard.save.train.steps == reshard.load.train.steps == 0
     for target in ("new", "same"):
@@ -91,6 +102,10 @@ def test_cases_refuse_bad_values_naming_them(data: st.DataObject) -> None:
         KeyOptionsCase(three, ("9.weight",), True, False, False, None, True, True)
     with pytest.raises(InvalidArgument, match="submodule="):
         KeyOptionsCase(three, (), True, False, False, 1, True, True)
+    with pytest.raises(InvalidArgument, match="wrapper='fsdp1'"):
+        KeyOptionsCase(three, (), True, False, False, None, True, True, wrapper="fsdp1")
+    with pytest.raises(InvalidArgument, match="naming='dotted'"):
+        KeyOptionsCase(three, (), True, False, False, None, True, True, naming="dotted")
     with pytest.raises(InvalidArgument, match="failing_rank="):
         FailedSaveCase(three, 2, "same", three)
     with pytest.raises(InvalidArgument, match="target="):

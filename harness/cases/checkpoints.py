@@ -11,10 +11,12 @@ from harness.cases.schedules import Schedule
 from harness.cases.state_dict import ReshardCase, StateDictCase
 from harness.errors import check_int, check_one_of, require
 
-REWRITES = ("empty", "over_earlier", "plan_cached")
-"""Where a save writes: an empty directory; a directory already holding an earlier
-checkpoint of other values (``FileSystemWriter(overwrite=...)``); or twice, into two
-directories with one planner (``enable_plan_caching``), a training step between them."""
+REWRITES = ("over_earlier", "empty")
+"""Where a save writes: a directory already holding an earlier checkpoint of other values
+(``FileSystemWriter(overwrite=...)``; refused, the save goes on into an empty directory
+beside it), or an empty directory. The first is first: hypothesis' first example is its
+simplest. With ``enable_plan_caching`` every save is the second through its planner: a first
+goes elsewhere, a training step before the second (the per-rank progress then grows)."""
 
 
 def _spelled(name: str, options: tuple[tuple[str, Any], ...]) -> str:
@@ -69,7 +71,10 @@ class CheckpointOptions:
 @dataclass(frozen=True)
 class OptionsCase:
     """A ``ReshardCase`` (saved at one world size and layout, loaded at another) saved and
-    loaded with ``options``, into a directory as ``rewrite`` says."""
+    loaded with ``options``, into a directory as ``rewrite`` says. Beside the model and
+    optimizer the saved state dict holds each rank's own plain values (its losses so far, a
+    tensor, and its name, a string) under keys every rank shares: DCP keeps one rank's, the
+    lowest's under ``dedup_save_to_lowest_rank``."""
 
     reshard: ReshardCase
     options: CheckpointOptions
@@ -77,12 +82,31 @@ class OptionsCase:
 
     def __post_init__(self) -> None:
         check_one_of("rewrite", self.rewrite, REWRITES)
-        cached = dict(self.options.save_planner).get("enable_plan_caching", False)
-        plan = self.rewrite != "plan_cached" or cached
-        require(plan, "rewrite", self.rewrite, "not 'plan_cached' without enable_plan_caching")
+        steps = self.reshard.save.train.steps
+        check_int("reshard.save.train.steps", steps, 1)
+
+    @property
+    def cached(self) -> bool:
+        """``enable_plan_caching``: the planner saves twice, a training step between."""
+        return bool(dict(self.options.save_planner).get("enable_plan_caching", False))
+
+    @property
+    def saved_steps(self) -> int:
+        """The training steps taken before the save the load reads (the length of each
+        rank's saved losses)."""
+        return self.reshard.save.train.steps + int(self.cached)
+
+    @property
+    def refused(self) -> bool:
+        """The save over an earlier checkpoint must be refused (``overwrite=False``)."""
+        return self.rewrite == "over_earlier" and not self.options.overwrite
 
     def call(self) -> str:
-        return f"{self.reshard.call()}; {self.options.describe()}; into {self.rewrite}"
+        cached = "; saved twice with one planner, a step between" if self.cached else ""
+        return (
+            f"{self.reshard.call()}; {self.options.describe()}; into {self.rewrite}{cached}; "
+            "each rank's losses and name saved under shared keys"
+        )
 
 
 ASYNC_CHECKPOINTERS = ("thread",)

@@ -36,10 +36,37 @@ def changed_dims(dims: tuple[int, ...], change: str) -> tuple[int, ...]:
     return dims[:-1]
 
 
-def linear_keys(dims: tuple[int, ...], bias: bool) -> list[str]:
-    """The state-dict keys of ``build_mlp``'s model of ``dims``: Linear, ReLU, Linear, ..."""
+def linear_keys(
+    dims: tuple[int, ...], bias: bool, naming: str = "indexed", buffer: bool = False
+) -> list[str]:
+    """The state-dict keys of ``build_mlp``'s model of ``dims``: Linear, ReLU, Linear, ...,
+    its children named as ``naming`` says (``child_names``); ``buffer``: the first Linear
+    holds a registered buffer, ``BUFFER``, after its parameters."""
     names = ("weight", "bias") if bias else ("weight",)
-    return [f"{2 * i}.{name}" for i in range(len(dims) - 1) for name in names]
+    children = child_names(dims, naming)
+    keys = []
+    for i in range(len(dims) - 1):
+        keys += [f"{children[2 * i]}.{name}" for name in names]
+        keys += [f"{children[0]}.{BUFFER}"] if buffer and i == 0 else []
+    return keys
+
+
+NAMINGS = ("indexed", "prefixing")
+"""How the MLP's children are named: ``nn.Sequential``'s indices (``0``, ``1``, ``2``...),
+or names each Linear's sibling extends (``layer``, ``act1``, ``layer2``, ``act2``,
+``layer3``: ``layer`` is a prefix of ``layer2``, as a user's ``encoder`` and ``encoder2``)."""
+BUFFER = "running_mean"
+"""The buffer a model of ``buffer=True`` registers on its first Linear."""
+
+
+def child_names(dims: tuple[int, ...], naming: str) -> tuple[str, ...]:
+    """The names of the MLP's children (Linear, ReLU, Linear, ...) under ``naming``."""
+    check_one_of("naming", naming, NAMINGS)
+    count = 2 * (len(dims) - 1) - 1
+    if naming == "indexed":
+        return tuple(str(i) for i in range(count))
+    linear = ["layer" if i == 0 else f"layer{i + 1}" for i in range(len(dims) - 1)]
+    return tuple(linear[i // 2] if i % 2 == 0 else f"act{i // 2 + 1}" for i in range(count))
 
 
 def _with_dims(case: StateDictCase, dims: tuple[int, ...]) -> StateDictCase:
@@ -155,13 +182,20 @@ class MismatchCase:
         return f"{self.reshard.save.call()}; {how} into {into}"
 
 
+WRAPPERS = ("fully_shard", "ddp")
+"""What wraps the model of a key-options case: its layout's ``fully_shard`` (and TP), or
+``DistributedDataParallel`` (whose FQNs carry ``module.``, which the state-dict API drops)."""
+
+
 @dataclass(frozen=True)
 class KeyOptionsCase:
-    """``get_model_state_dict`` of ``case``'s model with ``frozen`` parameters
+    """``get_model_state_dict`` of ``case``'s model (its children named as ``naming`` says,
+    a buffer on its first Linear, under ``wrapper``) with ``frozen`` parameters
     (``requires_grad=False``) under ``StateDictOptions(ignore_frozen_params, full_state_dict,
-    cpu_offload, keep_submodule_prefixes)``, of the whole model or (``submodule``, a Linear's
-    index in the Sequential) of ``submodules={model[submodule]}``; then set into a fresh
-    model with ``strict`` (the whole model's state dict only)."""
+    cpu_offload)``, set into a fresh model with ``strict``; where ``submodule`` (a Linear's
+    index in the Sequential) is set, also of ``submodules={model[submodule]}`` with
+    ``keep_submodule_prefixes`` (and ``ignore_frozen_params`` only where nothing is frozen:
+    torch 2.13 raises KeyError for the two with a frozen parameter anywhere)."""
 
     case: StateDictCase
     frozen: tuple[str, ...]
@@ -171,43 +205,77 @@ class KeyOptionsCase:
     submodule: int | None
     keep_prefixes: bool
     strict: bool
+    wrapper: str = "fully_shard"
+    naming: str = "indexed"
+    buffer: bool = False
 
     def __post_init__(self) -> None:
-        keys = linear_keys(self.case.train.dims, self.case.train.bias)
+        check_one_of("wrapper", self.wrapper, WRAPPERS)
+        check_one_of("naming", self.naming, NAMINGS)
+        if self.naming != "indexed" and self.wrapper == "fully_shard":
+            layout = self.case.train.layout
+            check_one_of("case.train.layout", layout, UNTP_LAYOUTS)  # a TP plan names "0", "2"
+        keys = linear_keys(self.case.train.dims, self.case.train.bias, self.naming)
         check_subset("frozen", self.frozen, keys)
         if self.submodule is not None:
             check_int("submodule", self.submodule, 0)
-            linears = {int(key.split(".")[0]) for key in keys}
-            check_one_of("submodule", self.submodule, sorted(linears))
+            linears = range(0, 2 * (len(self.case.train.dims) - 1), 2)
+            check_one_of("submodule", self.submodule, tuple(linears))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The model's children's names."""
+        return child_names(self.case.train.dims, self.naming)
 
     @property
     def keys(self) -> list[str]:
         """The model's keys, in order."""
-        return linear_keys(self.case.train.dims, self.case.train.bias)
+        train = self.case.train
+        return linear_keys(train.dims, train.bias, self.naming, self.buffer)
 
     @property
     def expected_keys(self) -> list[str]:
-        """The keys the state dict has: frozen ones left out with ``ignore_frozen``; those of
-        the submodule only, without its prefix unless ``keep_prefixes``."""
-        keys = [k for k in self.keys if not (self.ignore_frozen and k in self.frozen)]
-        if self.submodule is None:
-            return keys
-        prefix = f"{self.submodule}."
-        mine = [k for k in keys if k.startswith(prefix)]
+        """The keys the whole model's state dict has: frozen ones left out with
+        ``ignore_frozen``."""
+        return [k for k in self.keys if not (self.ignore_frozen and k in self.frozen)]
+
+    @property
+    def submodule_ignores_frozen(self) -> bool:
+        return self.ignore_frozen and not self.frozen
+
+    @property
+    def submodule_prefix(self) -> str:
+        assert self.submodule is not None
+        return f"{self.names[self.submodule]}."
+
+    @property
+    def submodule_keys(self) -> list[str]:
+        """The keys of the submodule's state dict, without its prefix unless
+        ``keep_prefixes``."""
+        prefix = self.submodule_prefix
+        mine = [k for k in self.keys if k.startswith(prefix)]
         return mine if self.keep_prefixes else [k.removeprefix(prefix) for k in mine]
 
     def options(self) -> str:
         return (
             f"StateDictOptions(ignore_frozen_params={self.ignore_frozen}, "
-            f"full_state_dict={self.full}, cpu_offload={self.cpu_offload}, "
-            f"keep_submodule_prefixes={self.keep_prefixes}, strict={self.strict})"
+            f"full_state_dict={self.full}, cpu_offload={self.cpu_offload}, strict={self.strict})"
         )
 
     def call(self) -> str:
-        sub = "" if self.submodule is None else f"submodules={{model[{self.submodule}]}}, "
+        model = f"children {list(self.names)}" + (f", {BUFFER} buffer" if self.buffer else "")
+        wrapped = "DistributedDataParallel" if self.wrapper == "ddp" else "its layout"
+        sub = ""
+        if self.submodule is not None:
+            sub = (
+                f"; get_model_state_dict(model, submodules={{model.{self.names[self.submodule]}}}"
+                f", keep_submodule_prefixes={self.keep_prefixes}, ignore_frozen_params="
+                f"{self.submodule_ignores_frozen}, ...)"
+            )
         return (
-            f"{self.case.call()}; frozen {list(self.frozen)}; get_model_state_dict(model, "
-            f"{sub}options={self.options()}), set_model_state_dict(fresh model, ...)"
+            f"{self.case.call()}; {model} under {wrapped}; frozen {list(self.frozen)}; "
+            f"get_model_state_dict(model, options={self.options()}), set_model_state_dict(fresh "
+            f"model, ...){sub}"
         )
 
 

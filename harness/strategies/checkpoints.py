@@ -17,16 +17,24 @@ from harness.cases.checkpoints import (
     OptionsCase,
     StatefulCase,
 )
+from harness.cases.state_dict import ReshardCase, StateDictCase
 from harness.errors import check_int, check_one_of
 from harness.strategies._common import sampled, takes_world_size
 from harness.strategies.schedules import schedules
 from harness.strategies.state_dict import reshard_cases, state_dict_cases
 
+_TRUE_FIRST = sampled((True, False))
+"""A bool whose simplest value (hypothesis' first example, where it shrinks to) is True."""
 
-def _flags(draw: st.DrawFn, names: Sequence[str]) -> tuple[tuple[str, Any], ...]:
-    """Each of ``names`` drawn True or False; only those drawn away from False are kept (the
-    others left to torch's default, which is False for every one of them)."""
-    return tuple((name, True) for name in names if draw(st.booleans()))
+
+def _flags(
+    draw: st.DrawFn, names: Sequence[str], *, first: bool = False
+) -> tuple[tuple[str, Any], ...]:
+    """Each of ``names`` drawn True or False (True the simplest where ``first``); only those
+    drawn away from False are kept (the others left to torch's default, which is False for
+    every one of them)."""
+    flag = _TRUE_FIRST if first else st.booleans()
+    return tuple((name, True) for name in names if draw(flag))
 
 
 @st.composite
@@ -47,10 +55,14 @@ def checkpoint_options(
     ``enable_plan_caching`` (its cache is a class attribute: rank threads of one process
     share it). ``flattened_full_load``: always ``flatten_optimizer_state_dict`` and a load
     with ``full_state_dict`` (set_state_dict of the two raises in torch 2.13: spec
-    state_dict.checkpoint.flattened_full_load), else never the two on the loading side."""
-    save_planner = list(_flags(draw, ("dedup_save_to_lowest_rank",)))
+    state_dict.checkpoint.flattened_full_load), else never the two on the loading side.
+
+    The options whose effect shows only on a path of their own (dedup_save_to_lowest_rank,
+    enable_plan_caching, overwrite=False, flatten_optimizer_state_dict) are drawn with that
+    path first: a derandomized profile's few examples start from the simplest draw."""
+    save_planner = list(_flags(draw, ("dedup_save_to_lowest_rank",), first=True))
     save_planner.append(("flatten_sharded_tensors", draw(st.booleans())))
-    if plan_caching and draw(st.booleans()):
+    if plan_caching and draw(_TRUE_FIRST):
         save_planner.append(("enable_plan_caching", True))
     load_planner = (
         ("flatten_sharded_tensors", draw(st.booleans())),
@@ -62,9 +74,9 @@ def checkpoint_options(
         ("thread_count", draw(st.integers(1, 3))),
         ("per_thread_copy_ahead", draw(sampled((10_000_000, 0, 64)))),
         ("cache_staged_state_dict", draw(st.booleans())),
-        ("overwrite", draw(st.booleans())),
+        ("overwrite", not draw(_TRUE_FIRST)),
     )
-    flat = flattened_full_load or draw(st.booleans())
+    flat = flattened_full_load or draw(_TRUE_FIRST)
     save_options = (*_flags(draw, ("full_state_dict", "cpu_offload")),)
     load_options = [*_flags(draw, ("full_state_dict", "cpu_offload"))]
     if flattened_full_load and ("full_state_dict", True) not in load_options:
@@ -96,8 +108,9 @@ def dcp_options_cases(
     plan_caching: bool,
     flattened_full_load: bool = False,
 ) -> st.SearchStrategy[OptionsCase]:
-    """A ``reshard_cases`` checkpoint saved and loaded with ``checkpoint_options``, into an
-    empty directory, one holding an earlier checkpoint, or (with plan caching) twice."""
+    """A ``reshard_cases`` checkpoint (the optimizers of two parameter groups) saved and
+    loaded with ``checkpoint_options``, into a directory holding an earlier checkpoint or an
+    empty one (with plan caching, the second save through its planner)."""
     check_int("world_size", world_size)
     sizes = tuple(load_sizes)
     return _options_cases(world_size, sizes, broadcast, plan_caching, flattened_full_load)
@@ -112,7 +125,7 @@ def _options_cases(
     plan_caching: bool,
     flattened_full_load: bool,
 ) -> OptionsCase:
-    reshard = draw(reshard_cases(world_size, load_sizes))
+    reshard = _second_group(draw(reshard_cases(world_size, load_sizes)))
     options = draw(
         checkpoint_options(
             broadcast=broadcast,
@@ -120,11 +133,25 @@ def _options_cases(
             flattened_full_load=flattened_full_load,
         )
     )
-    cached = dict(options.save_planner).get("enable_plan_caching", False)
-    # a flattened full load is the subject there: every example loads
-    rewrites = REWRITES[:1] if flattened_full_load else REWRITES if cached else REWRITES[:2]
-    rewrite = draw(sampled(rewrites))
+    # a flattened full load is the subject there: nothing written over
+    rewrite = "empty" if flattened_full_load else draw(sampled(REWRITES))
     return OptionsCase(reshard, options, rewrite)
+
+
+def _second_group(reshard: ReshardCase) -> ReshardCase:
+    """Both sides' optimizers with a second parameter group of its own hyper-parameters (the
+    last Linear's, where the MLP has two or more): per-group values then differ, as a
+    flattened optimizer state dict must keep them."""
+    optim = reshard.save.train.optim
+    if optim.second_group is not None:
+        return reshard
+    second = (("lr", optim.lr / 2), ("weight_decay", 0.05))
+
+    def grouped(case: StateDictCase) -> StateDictCase:
+        train = case.train
+        return replace(case, train=replace(train, optim=replace(train.optim, second_group=second)))
+
+    return ReshardCase(grouped(reshard.save), grouped(reshard.load))
 
 
 @takes_world_size

@@ -100,29 +100,45 @@ def mismatch_cases(
 
 
 @st.composite
-def key_options_cases(draw: st.DrawFn, world_size: int) -> KeyOptionsCase:
-    """Any sharded layout, some parameters frozen, every option of ``StateDictOptions``
-    that chooses keys drawn, of the whole model or of one Linear (``submodules``)."""
+def key_options_cases(
+    draw: st.DrawFn, world_size: int, *, wrapped_missing: bool = False
+) -> KeyOptionsCase:
+    """Any sharded layout or DDP, an MLP of two or more Linears (a buffer on the first; its
+    children indexed or named so that one's name prefixes a sibling's), some parameters
+    frozen, every option of ``StateDictOptions`` that chooses keys drawn, and maybe a
+    submodule's state dict too. The paths where an option shows (DDP's prefix, prefixing
+    names, a frozen first parameter left out by ignore_frozen_params, a non-strict set, the
+    first Linear's submodule) are each one's simplest draw: hypothesis' first example.
+    ``wrapped_missing``: only a DDP model's sharded state dict without its frozen keys (one
+    or more) set with strict=False, and no submodule (spec
+    state_dict.loads.wrapped_missing_keys)."""
     case = _untrained(draw(state_dict_cases(world_size, steps=(0, 0))))
-    keys = linear_keys(case.train.dims, case.train.bias)
-    frozen = tuple(k for k in keys if draw(st.booleans()))
-    linears = sorted({int(k.split(".")[0]) for k in keys})
-    submodule = draw(st.none() | sampled(tuple(linears)))
-    ignore_frozen = draw(st.booleans())
-    if submodule is not None and frozen:
-        # torch 2.13: submodules= (deprecated since 2.5) with ignore_frozen_params=True
-        # and a frozen parameter anywhere raises KeyError naming it on every rank (it looks
-        # up every parameter in the state dict that left them out): not drawn
-        ignore_frozen = False
+    dims = case.train.dims
+    if len(dims) < 3:  # siblings: two Linears or more
+        case = replace(case, train=replace(case.train, dims=(*dims, dims[-1])))
+    wrapper = "ddp" if wrapped_missing else draw(sampled(("ddp", "fully_shard")))
+    untp = wrapper == "ddp" or case.train.layout in UNTP_LAYOUTS
+    naming = draw(sampled(("prefixing", "indexed") if untp else ("indexed",)))
+    keys = linear_keys(case.train.dims, case.train.bias, naming)
+    flags = [draw(sampled((k == keys[0], k != keys[0]))) for k in keys]
+    if wrapped_missing:
+        flags[0] = True
+    if all(flags):  # DDP refuses a model without a parameter that requires a gradient
+        flags[-1] = False
+    frozen = tuple(k for k, flag in zip(keys, flags, strict=True) if flag)
+    linears = tuple(range(0, 2 * (len(case.train.dims) - 1), 2))
     return KeyOptionsCase(
         case,
         frozen=frozen,
-        ignore_frozen=ignore_frozen,
-        full=draw(st.booleans()),
+        ignore_frozen=wrapped_missing or draw(sampled((True, False))),
+        full=not wrapped_missing and draw(st.booleans()),
         cpu_offload=draw(st.booleans()),
-        submodule=submodule,
+        submodule=None if wrapped_missing else draw(sampled((*linears, None))),
         keep_prefixes=draw(st.booleans()),
-        strict=draw(st.booleans()),
+        strict=not wrapped_missing and draw(st.booleans()),
+        wrapper=wrapper,
+        naming=naming,
+        buffer=True,
     )
 
 

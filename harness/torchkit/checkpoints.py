@@ -15,8 +15,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from harness.cases.checkpoints import CheckpointOptions
 
 
-def save_planner(options: CheckpointOptions) -> DefaultSavePlanner:
-    return DefaultSavePlanner(**dict(options.save_planner))
+def save_planner(options: CheckpointOptions, rank: int, world_size: int) -> DefaultSavePlanner:
+    """The case's ``DefaultSavePlanner``. ``enable_plan_caching`` caches plans in a class
+    attribute under a key each planner names (its class's name): rank threads of one process
+    would share one entry, where rank processes have one each; the key names the World's
+    size and the rank, so threads cache as processes do."""
+    planner = DefaultSavePlanner(**dict(options.save_planner))
+    planner._cached_plans_key = f"{planner._cached_plans_key}:{world_size}:{rank}"
+    return planner
 
 
 def load_planner(options: CheckpointOptions) -> DefaultLoadPlanner:

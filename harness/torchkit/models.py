@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -57,6 +59,21 @@ def build_mlp(case: MLPShape, device: torch.device) -> nn.Sequential:
     model = nn.Sequential(*layers)
     model.to(device=device, dtype=torch_dtype(case.dtype))
     seeded_init_(model, case.seed)
+    return model
+
+
+def build_keyed_mlp(
+    case: MLPShape, device: torch.device, names: Sequence[str], buffer: str | None
+) -> nn.Sequential:
+    """``build_mlp``'s model (the same values) with its children named ``names`` and, where
+    ``buffer`` names one, a persistent buffer of that name on its first Linear (one value
+    per output feature, seeded after the parameters)."""
+    mlp = build_mlp(case, device)
+    model = nn.Sequential(OrderedDict(zip(names, mlp, strict=True)))
+    if buffer is not None:
+        first = model[0]
+        first.register_buffer(buffer, torch.zeros_like(first.get_parameter("weight")[:, 0]))
+        seeded_init_(model, case.seed)  # the parameters first, as build_mlp drew them
     return model
 
 

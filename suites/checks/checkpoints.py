@@ -47,44 +47,91 @@ from suites.checks.state_dict_dcp import load, save
 # --- options -------------------------------------------------------------------------------
 
 
-def _state(sharded: Sharded, chosen: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+def _state(
+    sharded: Sharded, chosen: tuple[tuple[str, Any], ...], own: dict[str, Any] | None = None
+) -> dict[str, Any]:
     options = kit.state_dict_options(chosen)
     model_sd, optim_sd = get_state_dict(sharded.model, sharded.optimizer, options=options)
-    return {"model": model_sd, "optim": optim_sd}
+    state = {"model": model_sd, "optim": optim_sd}
+    return state if own is None else state | {"progress": own}
 
 
-def options_save_on_rank(
-    ctx: RankContext, case: OptionsCase, directory: str
-) -> tuple[FullState, str | None]:
-    """Train, save with the case's options (after an earlier checkpoint of other values in
-    the same directory, or a first save with the same planner elsewhere, as the case says);
-    the state saved and what the save raised, if anything."""
-    options, save_case = case.options, case.reshard.save
-    sharded = build(ctx, save_case)
-    sharded.train(ctx, 0, save_case.train.steps)
-    planner = kit.save_planner(options)
-    if case.rewrite == "over_earlier":
-        save(build(ctx, save_case, fresh=True), directory)
-    elif case.rewrite == "plan_cached":
-        first = os.path.join(directory, "first")
-        state = _state(sharded, options.save_options)
-        dcp_save(state, storage_writer=kit.writer(options, first), planner=planner)
-        step = save_case.train.steps
-        sharded.train(ctx, step, step + 1)
-    state = _state(sharded, options.save_options)
+RankValues = tuple[list[float], str]
+"""A rank's own plain values in a checkpoint: its losses so far and its name."""
+
+
+def _own(losses: list[float], ctx: RankContext) -> dict[str, Any]:
+    """This rank's own values under keys every rank shares (a user's per-rank progress): DCP
+    saves one rank's, which every rank loads."""
+    progress = torch.tensor(losses, dtype=torch.float64)
+    return {"losses": progress, "name": f"rank {ctx.rank} of {ctx.world_size}"}
+
+
+def _own_values(own: dict[str, Any]) -> RankValues:
+    return [float(x) for x in own["losses"].tolist()], str(own["name"])
+
+
+@dataclass(frozen=True)
+class OptionsSaved:
+    state: FullState
+    own: RankValues
+    refusal: str | None
+    """What the save over an earlier checkpoint raised (None: it wrote, or none was there)."""
+    error: str | None
+    """What the save the load reads raised."""
+
+
+def _saved(directory: str, options: Any, planner: DefaultSavePlanner, state: Any) -> str | None:
     try:
         dcp_save(state, storage_writer=kit.writer(options, directory), planner=planner)
     except (Exception, CheckpointException) as exc:  # a BaseException, wrapping every rank's
-        return full_state(sharded.model, sharded.optimizer), f"{type(exc).__name__}: {exc}"
-    return full_state(sharded.model, sharded.optimizer), None
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
-def options_load_on_rank(ctx: RankContext, case: OptionsCase, directory: str) -> FullState:
-    """A fresh model and optimizer loaded with the case's options."""
+def options_directory(case: OptionsCase, root: str) -> str:
+    """Where the checkpoint the load reads is: beside the earlier one where the save over it
+    is refused."""
+    return os.path.join(root, "retried") if case.refused else root
+
+
+def options_save_on_rank(ctx: RankContext, case: OptionsCase, directory: str) -> OptionsSaved:
+    """Train, save with the case's options (with plan caching, a first save through the
+    planner elsewhere and a step before the second); the save goes over an earlier checkpoint
+    of other values in the same directory where the case says, and, refused, into
+    ``options_directory``. The state saved, this rank's own values, what the saves raised."""
+    options, save_case = case.options, case.reshard.save
+    sharded = build(ctx, save_case)
+    losses = sharded.train(ctx, 0, save_case.train.steps)
+    planner = kit.save_planner(options, ctx.rank, ctx.world_size)
+    if case.rewrite == "over_earlier":
+        save(build(ctx, save_case, fresh=True), directory)
+    if case.cached:
+        first = os.path.join(directory, "first")
+        state = _state(sharded, options.save_options, _own(losses, ctx))
+        dcp_save(state, storage_writer=kit.writer(options, first), planner=planner)
+        step = save_case.train.steps
+        losses += sharded.train(ctx, step, step + 1)
+    own = _own(losses, ctx)
+    state = _state(sharded, options.save_options, own)
+    error = _saved(directory, options, planner, state)
+    refusal = None
+    if case.rewrite == "over_earlier" and error is not None and not options.overwrite:
+        refusal, error = error, _saved(options_directory(case, directory), options, planner, state)
+    saved = full_state(sharded.model, sharded.optimizer)
+    return OptionsSaved(saved, _own_values(own), refusal, error)
+
+
+def options_load_on_rank(
+    ctx: RankContext, case: OptionsCase, directory: str
+) -> tuple[FullState, RankValues]:
+    """A fresh model and optimizer loaded with the case's options; the state loaded and the
+    per-rank values read."""
     options = case.options
     sharded = build(ctx, case.reshard.load, fresh=True)
-    state = _state(sharded, options.load_options)
-    reader = kit.reader(directory)
+    own = {"losses": torch.zeros(case.saved_steps, dtype=torch.float64), "name": ""}
+    state = _state(sharded, options.load_options, own)
+    reader = kit.reader(options_directory(case, directory))
     dcp_load(state, storage_reader=reader, planner=kit.load_planner(options))
     setting = kit.state_dict_options(options.load_options)
     if setting.broadcast_from_rank0:
@@ -100,7 +147,7 @@ def options_load_on_rank(ctx: RankContext, case: OptionsCase, directory: str) ->
             optim_state_dict=state["optim"],
             options=setting,
         )
-    return full_state(sharded.model, sharded.optimizer)
+    return full_state(sharded.model, sharded.optimizer), _own_values(state["progress"])
 
 
 def unflattened_on_rank(

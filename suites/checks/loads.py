@@ -29,11 +29,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.nn.parallel import DistributedDataParallel
 
 from harness import RankContext
-from harness.cases.loads import FailedSaveCase, KeyOptionsCase, MismatchCase, StrictSetCase
+from harness.cases.loads import (
+    BUFFER,
+    FailedSaveCase,
+    KeyOptionsCase,
+    MismatchCase,
+    StrictSetCase,
+)
 from harness.cases.state_dict import StateDictCase
-from harness.torchkit.models import build_mlp
+from harness.torchkit.models import build_keyed_mlp, build_mlp
 from harness.torchkit.training import parallelize
 from suites.checks.state_dict import _full, build, fsdp_options
 from suites.checks.state_dict_full import plain
@@ -165,8 +172,9 @@ def mismatch_set_on_rank(ctx: RankContext, case: MismatchCase) -> tuple[Values, 
 
 @dataclass(frozen=True)
 class KeyOptionsSeen:
-    """What ``get_model_state_dict`` gave (keys, values, devices of its tensors), and the
-    load of the whole model's state dict into a fresh model (None when a submodule's)."""
+    """What ``get_model_state_dict`` gave (keys, values, devices of its tensors), the load
+    of it into a fresh model (values by key, before and after), and the keys and values of
+    the submodule's state dict (empty where the case takes none)."""
 
     keys: list[str]
     values: dict[str, Any]
@@ -175,35 +183,77 @@ class KeyOptionsSeen:
     incompatible: tuple[list[str], list[str]] | None
     fresh: Values
     loaded: Values
+    submodule_keys: list[str]
+    submodule_values: dict[str, Any]
+
+
+def keyed_model(ctx: RankContext, case: KeyOptionsCase, seeded: StateDictCase) -> nn.Module:
+    """``seeded``'s MLP named and holding a buffer as ``case`` says, its frozen parameters
+    set to ``requires_grad=False``, under its layout or DDP."""
+    train = seeded.train
+    model = build_keyed_mlp(train, ctx.device, case.names, BUFFER if case.buffer else None)
+    for name in case.frozen:
+        model.get_parameter(name).requires_grad_(False)
+    if case.wrapper == "ddp":
+        return DistributedDataParallel(model)
+    wrapped, _ = parallelize(model, train, ctx, **fsdp_options(seeded))
+    return wrapped
+
+
+def keyed_values(model: nn.Module) -> Values:
+    """Every entry of the model's own state dict (parameters and buffers, a DDP's without
+    its ``module.``) as a full value."""
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    return {name: _full(value) for name, value in inner.state_dict().items()}
 
 
 def key_options_on_rank(ctx: RankContext, case: KeyOptionsCase) -> KeyOptionsSeen:
-    model = model_of(ctx, case.case, case.frozen)
+    model = keyed_model(ctx, case, case.case)
     options = StateDictOptions(
         full_state_dict=case.full,
         cpu_offload=case.cpu_offload,
         ignore_frozen_params=case.ignore_frozen,
-        keep_submodule_prefixes=case.keep_prefixes,
     )
-    submodules = None if case.submodule is None else {model.get_submodule(str(case.submodule))}
-    state_dict = get_model_state_dict(model, submodules=submodules, options=options)
+    state_dict = get_model_state_dict(model, options=options)
     devices = {v.device.type for v in state_dict.values() if isinstance(v, torch.Tensor)}
     keys, values = list(state_dict), plain(state_dict)
-    if case.submodule is not None or (case.full and case.cpu_offload):
-        # a submodule's keys are not the model's; a full state dict offloaded to the CPU
-        # is rank 0's alone (set it with broadcast_from_rank0: the full suite's spec)
-        return KeyOptionsSeen(keys, values, devices, None, None, {}, {})
-    target = model_of(ctx, fresh_case(case.case), case.frozen)
-    fresh = values_of(target)
+    sub_keys: list[str] = []
+    sub_values: dict[str, Any] = {}
+    if case.submodule is not None:
+        inner = model.module if isinstance(model, DistributedDataParallel) else model
+        submodule = inner.get_submodule(case.names[case.submodule])
+        sub_options = StateDictOptions(
+            full_state_dict=case.full,
+            cpu_offload=case.cpu_offload,
+            ignore_frozen_params=case.submodule_ignores_frozen,
+            keep_submodule_prefixes=case.keep_prefixes,
+        )
+        sub = get_model_state_dict(model, submodules={submodule}, options=sub_options)
+        sub_keys, sub_values = list(sub), plain(sub)
+    if case.full and case.cpu_offload:
+        # a full state dict offloaded to the CPU is rank 0's alone (set it with
+        # broadcast_from_rank0: the full suite's spec)
+        return KeyOptionsSeen(keys, values, devices, None, None, {}, {}, sub_keys, sub_values)
+    target = keyed_model(ctx, case, fresh_case(case.case))
+    fresh = keyed_values(target)
     setting = StateDictOptions(full_state_dict=case.full, strict=case.strict)
+    error, incompatible = None, None
     try:
         result = set_model_state_dict(target, state_dict, options=setting)
+        incompatible = (sorted(result.missing_keys), sorted(result.unexpected_keys))
     except Exception as exc:
-        return KeyOptionsSeen(
-            keys, values, devices, error_text(exc), None, fresh, values_of(target)
-        )
-    incompatible = (sorted(result.missing_keys), sorted(result.unexpected_keys))
-    return KeyOptionsSeen(keys, values, devices, None, incompatible, fresh, values_of(target))
+        error = error_text(exc)
+    return KeyOptionsSeen(
+        keys,
+        values,
+        devices,
+        error,
+        incompatible,
+        fresh,
+        keyed_values(target),
+        sub_keys,
+        sub_values,
+    )
 
 
 def fresh_case(case: StateDictCase) -> StateDictCase:
