@@ -141,12 +141,15 @@ def test_every_fault_says_how_it_was_written_and_a_blind_one_its_upstream_report
         if origin.written == "blind":
             assert origin.held_out in held_out.SETS, f"{fault.id}: {origin.held_out!r}"
             assert origin.upstream and all(u.startswith("https://") for u in origin.upstream)
-            assert isinstance(origin.survived_before, bool), fault.id
+            if origin.held_out in held_out.NOT_YET_MEASURED:
+                assert origin.survived_before is None, fault.id
+            else:
+                assert isinstance(origin.survived_before, bool), fault.id
 
 
 def test_the_held_out_sets_hold_what_their_record_counts():
-    """``harness.faults.held_out`` records 29, 18, 19, 25, 12, 13 and 16 faults and how many
-    survived the suites before: 11, 11, 14, 23, 10, 9 and 14."""
+    """``harness.faults.held_out`` records 29, 18, 19, 25, 12, 13, 16 and 15 faults and how
+    many survived the suites before: 11, 11, 14, 23, 10, 9, 14 and (not yet measured) none."""
     blind_faults = [f.origin for f in faults.FAULTS.values() if f.origin.written == "blind"]
     sizes = {name: sum(o.held_out == name for o in blind_faults) for name in held_out.SETS}
     survived = {
@@ -161,6 +164,7 @@ def test_the_held_out_sets_hold_what_their_record_counts():
         held_out.TRAINING_SURFACE: 12,
         held_out.TRAINING_OPTIONS: 13,
         held_out.CHECKPOINTS: 16,
+        held_out.COMPILE: 15,
     }
     assert survived == {
         held_out.FIRST: 11,
@@ -170,6 +174,7 @@ def test_the_held_out_sets_hold_what_their_record_counts():
         held_out.TRAINING_SURFACE: 10,
         held_out.TRAINING_OPTIONS: 9,
         held_out.CHECKPOINTS: 14,
+        held_out.COMPILE: 0,
     }
 
 

@@ -13,8 +13,9 @@ gradients, result metadata, factories), ``placements_meshes``, ``uneven``,
 ``state_dict_dcp`` (distributed checkpoints), ``state_dict_checkpoints`` (DCP's planner,
 storage and async_save options), ``state_dict_api`` (the distributed state-dict API),
 ``state_dict_options`` (its StateDictOptions), ``hsdp``, ``tp``, ``ops_rules`` (the sharding
-rules of DTensor's ops: reductions, norms, losses, pointwise, foreach, random and matmul ops)
-and ``ops_rules_views`` (views and indexing ops); ``_wraps`` holds the wraps faults of several
+rules of DTensor's ops: reductions, norms, losses, pointwise, foreach, random and matmul ops),
+``ops_rules_views`` (views and indexing ops) and ``compile_paths`` (the compiled paths of
+DTensor programs and collectives); ``_wraps`` holds the wraps faults of several
 areas share.
 How each fault was written is data on it (``Fault.origin``): with the property, or blind in a
 held-out set from upstream reports (``held_out`` records what each set found). Each patch was
@@ -41,6 +42,7 @@ from pathlib import Path
 
 from harness.errors import FaultError
 from harness.faults import (
+    compile_paths,
     fsdp_init,
     hsdp,
     ops_rules,
@@ -88,6 +90,7 @@ _ALL = (
     *tp_options.FAULTS,
     *ops_rules.FAULTS,
     *ops_rules_views.FAULTS,
+    *compile_paths.FAULTS,
 )
 FAULTS: dict[str, Fault] = {fault.id: fault for fault in _ALL}
 BUILTIN = frozenset(FAULTS)

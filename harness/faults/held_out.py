@@ -311,6 +311,29 @@ fail, so a swallowed error has nothing to swallow) and the two broadcast_from_ra
 (no property loads with broadcast_from_rank0 into a state dict that lacks a key, and the
 shard sliced from offset 0 shows only where the options property draws broadcast_from_rank0
 with a sharded load of two or more ranks).
+
+Compile set
+===========
+
+15 faults (``compile_paths``), written blind for torch.compile conformance of DTensor programs,
+each re-creating in torch 2.13 the mechanism of a real upstream report on the compiled path it
+lived on: DTensor's tensor-subclass protocol as AOTAutograd uses it (``__tensor_unflatten__``
+recomputing a contiguous stride or relabelling a Partial output Replicate at run time, a
+runtime tangent not redistributed to the traced tangent's placements: 3 faults); dynamo's guard
+on a DTensor input's spec comparing meshes only (1); the ``dist.*`` collectives dynamo remaps to
+functional ones (all_reduce and reduce_scatter_tensor dropping their op, ReduceOp MIN and MAX
+swapped in the conversion table, all_gather's list filled from one slice: 4); the traced
+functional collectives dropping a gather or scatter dim other than 0 (2); and DTensor's
+branches taken while tracing (an uneven Shard -> Replicate gather keeping its padding, Partial
+reductions and reduce-scatters summing whatever their op, from_local dropping its shape and
+stride, to_local dropping grad_placements: 5). Each changes what a compiled program computes
+(or makes its compilation fail, where upstream's did: the recomputed stride, and from_local
+without a shape under fullgraph) and leaves eager programs as they were, as checked on a
+two-rank gloo group with the aot_eager backend. Two more were dropped: a Partial output's
+tangent left Partial changed no result in torch 2.13 (DTensor's backward handles a pending-sum
+tangent), and a dropped wait_tensor changed results only by a race on gloo.
+
+Run against the suites: to be measured.
 """
 
 from __future__ import annotations
@@ -322,6 +345,7 @@ OPS = "ops"
 TRAINING_SURFACE = "training surface"
 TRAINING_OPTIONS = "training options"
 CHECKPOINTS = "checkpoints"
+COMPILE = "compile"
 SETS = (
     FIRST,
     DTENSOR_DEPTH,
@@ -330,4 +354,7 @@ SETS = (
     TRAINING_SURFACE,
     TRAINING_OPTIONS,
     CHECKPOINTS,
+    COMPILE,
 )
+NOT_YET_MEASURED = frozenset({COMPILE})
+"""The sets not yet run against the suites: their faults' ``survived_before`` is ``None``."""
