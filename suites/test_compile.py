@@ -19,6 +19,14 @@ one skeleton reuse its graph. What compiling cost is counted into each test's re
 (``parity.exercise``): graphs compiled or reused, recompilations, compile seconds in bins,
 refusals by op family.
 
+Training (``compile.training.blocks_match_eager``): each block of the parity properties' MLP
+compiled between tensor parallelism and ``fully_shard``, as torchtitan orders them, trained
+eagerly and compiled on the same rows (bit for bit with aot_eager) and against one device.
+FSDP2's hooks run eagerly around the compiled blocks (torch 2.13 disables dynamo on them).
+Rank threads draw fully_shard only: with FSDP+TP, a foreach Adam step on rank threads met
+gradients on the dp mesh beside parameters on the (dp, tp) mesh in a case that rank
+processes (and eager training on threads) run right; rank processes draw both layouts.
+
 A refusal (torch declining to capture a program whole: ``Unsupported`` and its kin, alike
 on every rank) is coverage, as the ops suite counts an op's refusal of a layout; any other
 error of the compiled run where the eager run had none fails the example.
@@ -37,11 +45,14 @@ from harness import World, parity
 from harness.cases.compile import CompileCase
 from harness.parity import assert_array_equal, assert_close, assert_equal_values, failure
 from harness.profiles import costly, goes_wide
-from harness.strategies import compile_cases
+from harness.strategies import compile_cases, compiled_training_cases
 from harness.torchkit.dtensor import DTensorView
+from harness.torchkit.optim import Trained, describe_reference, reference_run
 from suites.checks.compile import CompiledRun, compiled_program_on_rank
+from suites.checks.compile_training import CompiledTraining, compiled_training_on_rank
 from suites.checks.programs import ProgramRun, program_on_one_device
 from suites.checks.programs_compare import PROGRAM_RTOL, assert_program_matches
+from suites.checks.training import assert_trained_like
 
 # inductor's generated C++ kernels may fuse and vectorise what eager computes op by op:
 # the same terms summed in another order, a few ulps of the largest term (the program
@@ -73,6 +84,69 @@ def test_compiled_programs_match_eager_inductor(world: World, data: st.DataObjec
             "kernels, a minute and more a rank on 2 cores"
         )
     _check_compiled(world, data, "inductor")
+
+
+# The parity properties' tolerance against one device (suites/test_optim_parity.py): each
+# data-parallel rank's gradients are averaged, where one device takes one global mean.
+TRAINING_TOLERANCE = (1e-10, 1e-12)
+TRAINING_WHY = "per-rank gradients are averaged in another order than one global mean"
+
+
+@pytest.mark.spec("compile.training.blocks_match_eager")
+@costly(50)  # ci: 2 examples a world size; new graphs about 10 s at world size 2
+@given(data=st.data())
+def test_compiled_blocks_train_like_eager_and_one_device(world: World, data: st.DataObject) -> None:
+    if world.world_size > 2 and not goes_wide():
+        pytest.skip(
+            "compiled training at world sizes above 2 runs in the wide profiles (nightly, "
+            "report): each rank compiles its own blocks, over 20 s an example on 2 cores"
+        )
+    # FSDP+TP with compiled blocks on rank threads: a foreach Adam's step met gradients on
+    # the dp mesh beside parameters on the (dp, tp) mesh, where rank processes run the same
+    # case as eager does (process-wide compile state the threads share); processes draw it.
+    tensor_parallel = world.runner != "threads"
+    cases = compiled_training_cases(
+        world.world_size, backend="aot_eager", tensor_parallel=tensor_parallel
+    )
+    case = data.draw(cases, label="case")
+    parity.attach(case.call())
+    reference = reference_run(case.training)
+    parity.note_reference(describe_reference(case.training))
+    runs = world.run(compiled_training_on_rank, case)
+    rtol, atol = TRAINING_TOLERANCE
+    eager = [run.eager for run in runs]
+    assert_trained_like(reference, eager, case.training, rtol=rtol, atol=atol, why=TRAINING_WHY)
+    if _refused(runs, case.backend):
+        return
+    compiled = [run.compiled for run in runs if run.compiled is not None]
+    for rank, (got, want) in enumerate(zip(compiled, eager, strict=True)):
+        _assert_trained_alike(got, want, rank)
+    assert_trained_like(reference, compiled, case.training, rtol=rtol, atol=atol, why=TRAINING_WHY)
+
+
+def _refused(runs: list[CompiledTraining], backend: str) -> bool:
+    """Whether torch refused to compile the blocks, alike on every rank (coverage, counted);
+    else the graphs compiled are counted."""
+    refusals = {run.refusal.split(":", 1)[0] for run in runs}
+    if len(refusals) > 1:
+        by_rank = {rank: run.refusal or "compiled" for rank, run in enumerate(runs)}
+        raise failure(f"compile: got {by_rank}, should be the same on every rank")
+    if runs[0].refusal:
+        parity.exercise(f"{backend} blocks: refused ({runs[0].refusal.split(':')[0]})")
+        return True
+    parity.exercise(f"{backend} blocks: {runs[0].graphs} graphs compiled")
+    return False
+
+
+def _assert_trained_alike(got: Trained, want: Trained, rank: int) -> None:
+    """aot_eager runs eager's kernels on AOTAutograd's graphs: eager's losses and parameters
+    bit for bit."""
+    __tracebackhide__ = True
+    what = f"on rank {rank}, compiled blocks (aot_eager) against eager"
+    assert_array_equal(np.array(got.losses), np.array(want.losses), what=f"losses {what}")
+    assert_equal_values(sorted(got.params), sorted(want.params), what=f"parameter names {what}")
+    for name, value in want.params.items():
+        assert_array_equal(got.params[name], value, what=f"{name} {what}")
 
 
 def _check_compiled(world: World, data: st.DataObject, backend: str) -> None:

@@ -10,10 +10,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.cases.compile import BACKENDS, FAMILIES, CompileCase, refusal_kind
+from harness.cases.compile import (
+    BACKENDS,
+    FAMILIES,
+    CompileCase,
+    CompiledTrainingCase,
+    refusal_kind,
+)
 from harness.cases.programs import OPS
+from harness.cases.training import ParityCase
 from harness.errors import InvalidArgument
-from harness.strategies import compile_cases
+from harness.strategies import compile_cases, compiled_training_cases
 from harness.strategies.compile import SKELETONS, skeleton_program
 from harness.torchkit.compile import compiled, refusal_of, timed
 from suites.checks.programs import program_on_one_device
@@ -128,3 +135,37 @@ def test_a_key_compiles_once_and_counts_its_graphs() -> None:
     assert cost.graphs == 1
     _, cost = timed(entry, lambda: entry.call(torch.full((3,), 2.0)))
     assert cost.graphs == 0  # the same shapes: the cached graph
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_compiled_training_draws_the_pool_and_tp_only_where_asked(data: st.DataObject) -> None:
+    world_size = data.draw(st.integers(1, 4))
+    tensor_parallel = data.draw(st.booleans())
+    case = data.draw(
+        compiled_training_cases(world_size, backend="aot_eager", tensor_parallel=tensor_parallel)
+    )
+    training = case.training
+    assert training.layout in (("fsdp", "fsdp_tp") if tensor_parallel else ("fsdp",))
+    assert (training.dtype, training.batch_per_rank, case.backend) == ("float64", 2, "aot_eager")
+    tp = training.mesh_shape[-1] if training.layout == "fsdp_tp" else 1
+    assert all(d % tp == 0 for d in training.dims[1:-1]), training.dims
+    assert "fullgraph=True" in case.call()
+
+
+def test_a_compiled_training_case_refuses_a_layout_it_does_not_compile() -> None:
+    training = dataclasses.replace(_any_training(), layout="ddp", precision=None)
+    with pytest.raises(InvalidArgument, match=r"training\.layout='ddp'"):
+        CompiledTrainingCase(training, "aot_eager")
+
+
+def _any_training() -> ParityCase:
+    found: list[ParityCase] = []
+
+    @settings(max_examples=1, database=None)
+    @given(compiled_training_cases(2, backend="aot_eager"))
+    def first(case: CompiledTrainingCase) -> None:
+        found.append(case.training)
+
+    first()
+    return found[0]

@@ -17,6 +17,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from harness.cases.programs import OPS, ProgramCase
+from harness.cases.training import ParityCase
 from harness.errors import check_one_of, require
 
 BACKENDS = ("aot_eager", "inductor")
@@ -94,6 +95,32 @@ class CompileCase:
         return (
             f"torch.compile(program, backend={self.backend!r}, fullgraph=True) and eagerly, "
             f"{self.program.call()}"
+        )
+
+
+COMPILED_LAYOUTS = ("fsdp", "fsdp_tp")
+"""The training layouts whose blocks ``CompiledTrainingCase`` compiles: fully_shard over
+compiled blocks, and tensor parallelism inside them."""
+
+
+@dataclass(frozen=True)
+class CompiledTrainingCase:
+    """``training`` run eagerly, and with each block (a Linear) compiled by ``backend``
+    (``fullgraph=True``) between tensor parallelism and ``fully_shard``, as torchtitan
+    orders them: FSDP2's hooks run eagerly around each compiled block."""
+
+    training: ParityCase
+    backend: str
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.training, ParityCase), "training", self.training, "a ParityCase")
+        check_one_of("training.layout", self.training.layout, COMPILED_LAYOUTS)
+        check_one_of("backend", self.backend, BACKENDS)
+
+    def call(self) -> str:
+        return (
+            f"each block torch.compile(block, backend={self.backend!r}, fullgraph=True) "
+            f"before fully_shard, and eagerly: {self.training.call()}"
         )
 
 

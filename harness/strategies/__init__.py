@@ -23,7 +23,7 @@ from harness.strategies.checkpoints import (
     stateful_cases,
 )
 from harness.strategies.comm_hooks import comm_hooks
-from harness.strategies.compile import compile_cases
+from harness.strategies.compile import compile_cases, compiled_training_cases
 from harness.strategies.dcp_layouts import dcp_layout_cases as dcp_layout_cases
 from harness.strategies.ddp import cpu_device_cases, delayed_all_reduces
 from harness.strategies.hsdp import (
@@ -142,6 +142,7 @@ __all__ = [
     "clippings",
     "comm_hooks",
     "compile_cases",
+    "compiled_training_cases",
     "container_cases",
     "coordination_cases",
     "cpu_device_cases",

@@ -12,15 +12,17 @@ ops and views, full_tensor and redistribute.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cache
 
 from hypothesis import strategies as st
 
-from harness.cases.compile import BACKENDS, CompileCase
+from harness.cases.compile import BACKENDS, CompileCase, CompiledTrainingCase
 from harness.cases.meshes import MeshCase
 from harness.cases.programs import Leaf, ProgramCase, Step
 from harness.errors import check_int, check_one_of
 from harness.strategies._common import sampled, seeds
+from harness.strategies.training import DTENSOR_UNSUPPORTED, parity_cases
 from specs.placements import Partial, Placement, Replicate, Shard
 
 _S0: tuple[Placement, ...] = (Shard(0),)
@@ -106,5 +108,41 @@ def _compile_cases(world_size: int, backend: str) -> st.SearchStrategy[CompileCa
         count = len(SKELETONS[index][0])
         drawn = tuple(draw(seeds()) for _ in range(count))
         return CompileCase(skeleton_program(world_size, index, drawn), backend)
+
+    return draw_case()
+
+
+TRAINING_DIMS = ((3, 4, 2), (2, 5, 4, 3))
+"""The MLPs compiled training draws: a small pool, so that examples reuse a rank's graphs
+(a block's graph is specific to its shapes)."""
+
+
+def compiled_training_cases(
+    world_size: int, *, backend: str, tensor_parallel: bool = True
+) -> st.SearchStrategy[CompiledTrainingCase]:
+    """A training run under fsdp (or fsdp_tp, at 2+ ranks where ``tensor_parallel``) of an
+    MLP of ``TRAINING_DIMS``, two rows a data-parallel rank, its blocks compiled with
+    ``backend``; the optimizer, the steps and the values drawn as the parity properties
+    draw them."""
+    check_int("world_size", world_size)
+    check_one_of("backend", backend, BACKENDS)
+    layouts = ("fsdp", "fsdp_tp") if world_size > 1 and tensor_parallel else ("fsdp",)
+    return _compiled_training_cases(world_size, backend, layouts)
+
+
+@cache
+def _compiled_training_cases(
+    world_size: int, backend: str, layouts: tuple[str, ...]
+) -> st.SearchStrategy[CompiledTrainingCase]:
+    @st.composite
+    def draw_case(draw: st.DrawFn) -> CompiledTrainingCase:
+        layout = draw(sampled(layouts))
+        training = draw(parity_cases(world_size, layout=layout, unsupported=DTENSOR_UNSUPPORTED))
+        dims = draw(sampled(TRAINING_DIMS))
+        if layout == "fsdp_tp":  # the TP degree divides every hidden size
+            tp = training.mesh_shape[-1]
+            dims = tuple(d * tp if 0 < i < len(dims) - 1 else d for i, d in enumerate(dims))
+        fixed = replace(training, dims=dims, batch_per_rank=2, dtype="float64")
+        return CompiledTrainingCase(fixed, backend)
 
     return draw_case()

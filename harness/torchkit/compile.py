@@ -124,3 +124,52 @@ def timed(entry: Compiled, run: Callable[[], Any]) -> tuple[Any, Timed]:
     before, start = entry.graphs, time.perf_counter()
     result = run()
     return result, Timed(entry.graphs - before, time.perf_counter() - start)
+
+
+@dataclass
+class BlockGraphs:
+    """The graphs the backend was handed for a model's compiled blocks."""
+
+    graphs: int = 0
+
+
+BLOCK_PREFIX = "._orig_mod.inner"
+"""What compiling a block puts into its parameters' names (``torch.compile``'s wrapper, then
+the block's own attribute): ``0._orig_mod.inner.weight`` is the model's ``0.weight``."""
+
+
+def compile_blocks(model: torch.nn.Sequential, backend: str, counted: BlockGraphs) -> None:
+    """Each child of ``model`` with parameters replaced by ``torch.compile(block, backend=...,
+    fullgraph=True)`` of a block holding it; the graphs compiled counted into ``counted``.
+
+    Each block's ``forward`` is a code object of its own, so dynamo's cache (kept on the code
+    object) holds that block's graphs only: rank threads never share one, and the run's
+    models never pile up in one cache past its recompile limit (``torch.compile`` of a
+    Linear itself compiles one wrapper code object shared by every module of the process).
+    Nothing is reused across models: dynamo guards on the module object, so each new model
+    compiles its blocks anew whatever cache it found."""
+    configure()
+    compiler = torch._dynamo.lookup_backend(backend)
+
+    def counting(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        counted.graphs += 1
+        return compiler(graph, example_inputs)
+
+    for position, child in enumerate(model):
+        if next(child.parameters(), None) is None:
+            continue
+        forward = _own_code(_block_forward)
+        block_class = type(f"Block{next(_numbers)}", (_Block,), {"forward": forward})
+        compiled_block = torch.compile(block_class(child), backend=counting, fullgraph=True)
+        assert isinstance(compiled_block, torch.nn.Module), "torch.compile of a module is one"
+        model[position] = compiled_block
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+
+def _block_forward(self: _Block, x: torch.Tensor) -> Any:
+    return self.inner(x)

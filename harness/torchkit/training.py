@@ -114,12 +114,19 @@ def train_step(
 
 
 def parallelize(
-    model: nn.Sequential, case: ParityCase, ctx: RankContext, **fsdp_options: Any
+    model: nn.Sequential,
+    case: ParityCase,
+    ctx: RankContext,
+    *,
+    before_fully_shard: Callable[[nn.Sequential], None] | None = None,
+    **fsdp_options: Any,
 ) -> tuple[nn.Module, int]:
     """Apply the layout; the module to call and this rank's data-parallel index.
 
-    ``fsdp_options`` go to every ``fully_shard`` call (``reshard_after_forward``,
-    ``offload_policy``, ``shard_placement_fn``)."""
+    ``before_fully_shard`` is applied to the model after tensor parallelism and before
+    ``fully_shard`` (compiling its blocks, say). ``fsdp_options`` go to every
+    ``fully_shard`` call (``reshard_after_forward``, ``offload_policy``,
+    ``shard_placement_fn``)."""
     if case.layout in ("ddp", "zero"):
         options = dict(case.wrapper_options)
         if options.get("init_sync", True):
@@ -128,7 +135,7 @@ def parallelize(
         comm_hooks.register(ddp, case.comm_hook)
         return ddp, ctx.rank
     if case.layout in TP_LAYOUTS:
-        return model, _tensor_parallel(model, case, ctx, fsdp_options)
+        return model, _tensor_parallel(model, case, ctx, fsdp_options, before_fully_shard)
     names = ("replicate", "shard") if case.layout == "hsdp" else None
     flatten = case.knobs.flatten
     mesh = (
@@ -136,6 +143,8 @@ def parallelize(
         if flatten is not None
         else ctx.mesh(case.mesh_shape, names)
     )
+    if before_fully_shard is not None:
+        before_fully_shard(model)
     _fully_shard(model, case, mesh, fsdp_options)
     return model, ctx.rank
 
@@ -151,7 +160,11 @@ def _start_apart(model: nn.Module, rank: int) -> None:
 
 
 def _tensor_parallel(
-    model: nn.Sequential, case: ParityCase, ctx: RankContext, options: dict[str, Any]
+    model: nn.Sequential,
+    case: ParityCase,
+    ctx: RankContext,
+    options: dict[str, Any],
+    before_fully_shard: Callable[[nn.Sequential], None] | None,
 ) -> int:
     """Colwise/Rowwise over the last mesh axis, fully_shard over the others (1-D for
     fsdp_tp, (replicate, shard) for hsdp_tp); this rank's data-parallel index (the mesh is
@@ -163,6 +176,8 @@ def _tensor_parallel(
         mesh = ctx.mesh(case.mesh_shape, ("replicate", "shard", "tp"))
         dp_mesh = mesh["replicate", "shard"]
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    if before_fully_shard is not None:
+        before_fully_shard(model)
     _fully_shard(model, case, dp_mesh, options)
     return ctx.rank // case.mesh_shape[-1]
 
