@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from harness.cases.checkpoints import CheckpointOptions
+from harness.torchkit import internals
 
 
 def save_planner(options: CheckpointOptions, rank: int, world_size: int) -> DefaultSavePlanner:
@@ -21,7 +22,7 @@ def save_planner(options: CheckpointOptions, rank: int, world_size: int) -> Defa
     would share one entry, where rank processes have one each; the key names the World's
     size and the rank, so threads cache as processes do."""
     planner = DefaultSavePlanner(**dict(options.save_planner))
-    planner._cached_plans_key = f"{planner._cached_plans_key}:{world_size}:{rank}"
+    internals.key_plan_cache(planner, f"{world_size}:{rank}")
     return planner
 
 

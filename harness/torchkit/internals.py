@@ -195,3 +195,16 @@ def dtensor_rng_tracker_active() -> bool:
             "harness.torchkit.internals.dtensor_rng_tracker_active must be updated"
         )
     return _random._rng_tracker is not None
+
+
+def key_plan_cache(planner: Any, suffix: str) -> None:
+    """Give a ``DefaultSavePlanner``'s plan cache (a class attribute, keyed by
+    ``_cached_plans_key``, its class's name) a key of its own ending in ``suffix``."""
+    import torch
+
+    if not hasattr(planner, "_cached_plans_key"):
+        raise RuntimeError(
+            f"DefaultSavePlanner._cached_plans_key is gone in torch {torch.__version__}: "
+            "review harness.torchkit.internals.key_plan_cache for this version"
+        )
+    planner._cached_plans_key = f"{planner._cached_plans_key}:{suffix}"
