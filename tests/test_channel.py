@@ -65,6 +65,14 @@ def _refusal(listener: AgentListener, timeout: float = 5.0) -> str:
     return listener.refused[0]
 
 
+def _assert_logged(caplog: pytest.LogCaptureFixture, text: str, timeout: float = 2.0) -> None:
+    """``text`` in the log, waited for: the listener's thread records a refusal, then logs it."""
+    deadline = time.monotonic() + timeout
+    while text not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert text in caplog.text
+
+
 class _Peer:
     """A connection that sends nothing unless told, and what it saw of the driver."""
 
@@ -180,7 +188,7 @@ def test_a_token_holder_announcing_a_huge_hello_is_refused_and_logged(
             conn.recv_bytes()
     finally:
         conn.close()
-    assert f"to the torchrun listener: {why}" in caplog.text
+    _assert_logged(caplog, f"to the torchrun listener: {why}")
     agent = _attach(listener)  # the listener goes on
     _arrives(listener)
     agent.close()
@@ -213,7 +221,7 @@ def test_a_token_holders_hello_that_does_not_load_is_refused_and_runs_nothing(
     finally:
         conn.close()
     assert listener.next(0.2) is None
-    assert "refused a connection from 127.0.0.1" in caplog.text
+    _assert_logged(caplog, "refused a connection from 127.0.0.1")
     agent = _attach(listener)  # the listener goes on
     _arrives(listener)
     agent.close()
