@@ -136,6 +136,7 @@ _STATE = """
 import os, threading
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
 def state():
     return {
@@ -144,6 +145,7 @@ def state():
         "environment": dict(os.environ),
         "threads": sorted(t.name for t in threading.enumerate()),
         "default group": dist.is_initialized(),
+        "fake shape propagation": ShardingPropagator.__dict__["_propagate_tensor_meta_non_cached"],
     }
 """
 
@@ -171,4 +173,5 @@ def test_a_closed_world_leaves_no_process_wide_state_even_when_reused(tmp_path: 
         "environment kept",
         "threads kept",
         "default group kept",
+        "fake shape propagation kept",
     ], result.stdout

@@ -30,6 +30,7 @@ from torch.testing._internal.distributed import multi_threaded_pg as _upstream
 from harness.errors import CollectiveMismatch, RunnerUnsupported
 from harness.runners import _ddp_active
 from harness.runners.capacity import THREADED_BACKEND
+from harness.torchkit import tensor_meta
 
 BACKEND = THREADED_BACKEND
 
@@ -349,8 +350,9 @@ def _create_group(
 
 
 def install() -> None:
-    """Make c10d's world thread-local and register our backend, for one more user (a thread
-    World) until it calls ``release``."""
+    """Make c10d's world thread-local, share DTensor's fake shape propagation between threads
+    (``torchkit.tensor_meta``) and register our backend, for one more user (a thread World)
+    until it calls ``release``."""
     global _users, _installed, _registered
     with _install_lock:
         _users += 1
@@ -360,6 +362,8 @@ def install() -> None:
             _give_world_comms(_upstream.ThreadLocalWorld)
             torch._C._distributed_c10d._set_thread_isolation_mode(True)  # type: ignore[attr-defined]
             _ddp_active.install()
+            # Every rank thread would run the same fake op to learn an output's global shape.
+            tensor_meta.install()
             _installed = True
         if not _registered:
             dist.Backend.register_backend(BACKEND, _create_group, devices=["cpu", "cuda"])
@@ -383,10 +387,10 @@ def _give_world_comms(world_class: type) -> None:
 
 def release(grace: float = 0.0) -> None:
     """One user fewer. The last gives the process back c10d's shared world, its process
-    group registry and autograd's multithreading once every rank thread has ended, waiting
-    up to ``grace`` seconds for ranks still unwinding (one left stuck in C code would find
-    its world gone when it returns, so then everything stays). The backend stays registered:
-    it refuses to serve outside a rank thread."""
+    group registry, autograd's multithreading and torch's own fake shape propagation once
+    every rank thread has ended, waiting up to ``grace`` seconds for ranks still unwinding
+    (one left stuck in C code would find its world gone when it returns, so then everything
+    stays). The backend stays registered: it refuses to serve outside a rank thread."""
     global _users
     with _install_lock:
         assert _users > 0, "release() without install()"
@@ -408,6 +412,7 @@ def _uninstall() -> None:
     torch._C._distributed_c10d._set_thread_isolation_mode(False)  # type: ignore[attr-defined]
     _upstream._uninstall_threaded_pg()
     _ddp_active.uninstall()
+    tensor_meta.uninstall()
     _installed = False
 
 
