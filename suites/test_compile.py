@@ -72,7 +72,9 @@ SECONDS_BINS = ((0.5, "< 0.5 s"), (2.0, "0.5-2 s"), (5.0, "2-5 s"), (20.0, "5-20
 
 @pytest.mark.spec("compile.program.matches_eager")
 @pytest.mark.parametrize("family", FAMILIES)
-@costly(50)  # ci: 2 examples a world size; a new graph about 4 s at world size 2
+# ci: 2 examples a world size and family; a new graph about 4 s at world size 2 (the suite's
+# ci run at world sizes 1-2: about 64 s on 2 busy cores, 34 s before the families)
+@costly(50)
 @given(data=st.data())
 def test_compiled_programs_match_eager_aot_eager(
     world: World, family: str, data: st.DataObject
