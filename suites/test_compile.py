@@ -11,6 +11,14 @@ rank. The local runner does not serve it: the suite is not among ``runners.SERVE
 (LocalTensorMode runs every rank in one thread, and a graph traced there would be one
 rank's, not every rank's).
 
+Families. The skeletons come in families (``strategies.compile.FAMILIES``), each a test of
+its own so that every run compiles each: layouts, reduce ops other than sum, a compiled
+block's boundaries (outputs live, the loss and an op outside it), ``torch.distributed``
+collectives on local pieces (remapped by dynamo to functional collectives; they run on rank
+threads, whose group holds every reduce op they call), guards (a callable called again in
+other placements must compile anew: ``CompiledRun.stale`` says it did not). Strides of
+values are compared with eager's too.
+
 Cost. A graph costs seconds to compile (about 4 s with aot_eager on 2 cores, a minute
 and more with inductor, whose C++ kernels are compiled too); a call of a cached one
 milliseconds. Programs come from a small pool of skeletons (``strategies.compile``) and
@@ -46,11 +54,12 @@ from harness.cases.compile import CompileCase
 from harness.parity import assert_array_equal, assert_close, assert_equal_values, failure
 from harness.profiles import costly, goes_wide
 from harness.strategies import compile_cases, compiled_training_cases
+from harness.strategies.compile import FAMILIES
 from harness.torchkit.dtensor import DTensorView
 from harness.torchkit.optim import Trained, describe_reference, reference_run
 from suites.checks.compile import CompiledRun, compiled_program_on_rank
 from suites.checks.compile_training import CompiledTraining, compiled_training_on_rank
-from suites.checks.programs import ProgramRun, program_on_one_device
+from suites.checks.programs import ProgramRun, Reference, program_on_one_device
 from suites.checks.programs_compare import PROGRAM_RTOL, assert_program_matches
 from suites.checks.training import assert_trained_like
 
@@ -62,15 +71,20 @@ SECONDS_BINS = ((0.5, "< 0.5 s"), (2.0, "0.5-2 s"), (5.0, "2-5 s"), (20.0, "5-20
 
 
 @pytest.mark.spec("compile.program.matches_eager")
-@costly(50)  # ci: 2 examples a world size; a new graph about 4 s at world size 2
+@pytest.mark.parametrize("family", FAMILIES)
+# ci: 2 examples a world size and family; a new graph about 4 s at world size 2 (the suite's
+# ci run at world sizes 1-2: about 64 s on 2 busy cores, 34 s before the families)
+@costly(50)
 @given(data=st.data())
-def test_compiled_programs_match_eager_aot_eager(world: World, data: st.DataObject) -> None:
+def test_compiled_programs_match_eager_aot_eager(
+    world: World, family: str, data: st.DataObject
+) -> None:
     if world.world_size > 2 and not goes_wide():
         pytest.skip(
             "compile at world sizes above 2 runs in the wide profiles (nightly, report): each "
             "rank compiles its own graph, over 20 s an example at 3 and 4 ranks on 2 cores"
         )
-    _check_compiled(world, data, "aot_eager")
+    _check_compiled(world, data, "aot_eager", family)
 
 
 @pytest.mark.spec("compile.program.matches_eager")
@@ -149,12 +163,23 @@ def _assert_trained_alike(got: Trained, want: Trained, rank: int) -> None:
         assert_array_equal(got.params[name], value, what=f"{name} {what}")
 
 
-def _check_compiled(world: World, data: st.DataObject, backend: str) -> None:
-    case = data.draw(compile_cases(world.world_size, backend=backend), label="case")
+def _check_compiled(
+    world: World, data: st.DataObject, backend: str, family: str | None = None
+) -> None:
+    cases = compile_cases(world.world_size, backend=backend, family=family)
+    case = data.draw(cases, label="case")
     parity.attach(case.call())
     expected = program_on_one_device(case.program, world.device)
     runs = world.run(compiled_program_on_rank, case)
     _count(case, runs)
+    check_compiled_runs(case, runs, expected)
+
+
+def check_compiled_runs(case: CompileCase, runs: list[CompiledRun], expected: Reference) -> None:
+    """Every rank's eager run against one device; where torch compiled the program, every
+    rank's compiled run against its eager run and one device, and no graph reused for
+    placements it was not compiled for."""
+    __tracebackhide__ = True
     assert_program_matches([run.eager for run in runs], expected, case.program)
     refusals = {(run.refused_family, run.refusal.split(":", 1)[0]) for run in runs}
     if len(refusals) > 1:
@@ -162,6 +187,14 @@ def _check_compiled(world: World, data: st.DataObject, backend: str) -> None:
         raise failure(f"compile: got {by_rank}, should be the same on every rank")
     if runs[0].refusal:
         return
+    stale = [rank for rank, run in enumerate(runs) if run.stale]
+    if stale:
+        placements = case.program.leaves[0].placements
+        raise failure(
+            f"compile: on ranks {stale}, a graph compiled for x0 in {case.guard_placements} ran "
+            f"x0 in {placements}: got 0 graphs compiled, should be a new one (dynamo's guard "
+            "on the DTensor's spec)"
+        )
     compiled = [run.compiled for run in runs]
     assert all(run is not None for run in compiled)
     for rank, (run, eager) in enumerate(zip(compiled, runs, strict=True)):
@@ -204,7 +237,15 @@ def _assert_like_eager(run: ProgramRun, eager: ProgramRun, case: CompileCase, ra
         if grad is None or eager_grad is None:
             assert_equal_values(grad is None, eager_grad is None, what=f"{who} is None")
         elif isinstance(grad, DTensorView) and isinstance(eager_grad, DTensorView):
-            _assert_view(grad, eager_grad, who, case.backend, scale)
+            if case.split is None:
+                _assert_view(grad, eager_grad, who, case.backend, scale)
+                continue
+            # A compiled backward redistributes a gradient that reaches it to the placements
+            # tracing gave its output: a leaf's gradient may then be laid out otherwise than
+            # eager's, holding eager's values.
+            assert grad.full is not None
+            assert eager_grad.full is not None
+            _assert_array(grad.full, eager_grad.full, f"{who} (full)", case.backend, scale)
         else:
             assert isinstance(grad, np.ndarray)
             assert isinstance(eager_grad, np.ndarray)
@@ -213,7 +254,7 @@ def _assert_like_eager(run: ProgramRun, eager: ProgramRun, case: CompileCase, ra
 
 def _assert_view(got: DTensorView, want: DTensorView, who: str, backend: str, scale: float) -> None:
     __tracebackhide__ = True
-    for what in ("coord", "shape", "placements", "dtype", "local_dtype"):
+    for what in ("coord", "shape", "stride", "placements", "dtype", "local_dtype"):
         assert_equal_values(getattr(got, what), getattr(want, what), what=f"{what} of {who}")
     _assert_array(got.local, want.local, f"to_local() of {who}", backend, scale)
     if got.full is not None and want.full is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy
 import pytest
 import torch
 from hypothesis import given, settings
@@ -17,12 +18,14 @@ from harness.cases.compile import (
     CompiledTrainingCase,
     refusal_kind,
 )
-from harness.cases.programs import OPS
+from harness.cases.programs import OPS, Leaf, Step
 from harness.cases.training import ParityCase
 from harness.errors import InvalidArgument
-from harness.strategies import compile_cases, compiled_training_cases
-from harness.strategies.compile import SKELETONS, skeleton_program
+from harness.strategies import compile_cases, compiled_training_cases, program_cases
+from harness.strategies.compile import FAMILIES as SKELETON_FAMILIES
+from harness.strategies.compile import SKELETONS, skeleton_case, skeleton_program
 from harness.torchkit.compile import compiled, refusal_of, timed
+from harness.torchkit.programs import run_steps
 from suites.checks.programs import program_on_one_device
 
 
@@ -94,7 +97,8 @@ def test_refusal_of_torchs_own_exceptions() -> None:
 def test_every_skeleton_runs_on_one_device(world_size: int) -> None:
     for index in range(len(SKELETONS)):
         reference = program_on_one_device(skeleton_program(world_size, index), "cpu")
-        assert len(reference.values) == len(SKELETONS[index][0]) + len(SKELETONS[index][1])
+        skeleton = SKELETONS[index]
+        assert len(reference.values) == len(skeleton.leaves) + len(skeleton.steps)
 
 
 def test_a_skeleton_index_outside_the_pool_is_refused() -> None:
@@ -109,7 +113,7 @@ def test_drawn_cases_come_from_the_pool(data: st.DataObject) -> None:
     backend = data.draw(st.sampled_from(BACKENDS))
     case = data.draw(compile_cases(world_size, backend=backend))
     assert case.backend == backend
-    pool = {CompileCase(skeleton_program(world_size, i), backend).structure() for i in range(6)}
+    pool = {skeleton_case(world_size, i, backend).structure() for i in range(len(SKELETONS))}
     assert case.structure() in pool
 
 
@@ -169,3 +173,116 @@ def _any_training() -> ParityCase:
 
     first()
     return found[0]
+
+
+def test_every_family_has_skeletons_and_draws_only_its_own() -> None:
+    assert {skeleton.family for skeleton in SKELETONS} == set(SKELETON_FAMILIES)
+    for family in SKELETON_FAMILIES:
+        own = {
+            skeleton_case(2, i, "aot_eager").structure()
+            for i, skeleton in enumerate(SKELETONS)
+            if skeleton.family == family
+        }
+        assert {case.structure() for case in _drawn(family)} <= own
+    with pytest.raises(InvalidArgument, match="family='kernels'"):
+        compile_cases(2, backend="aot_eager", family="kernels")
+
+
+def _drawn(family: str) -> list[CompileCase]:
+    drawn: list[CompileCase] = []
+
+    @settings(max_examples=5, database=None, deadline=None)
+    @given(compile_cases(2, backend="aot_eager", family=family))
+    def collect(case: CompileCase) -> None:
+        drawn.append(case)
+
+    collect()
+    return drawn
+
+
+def _program_of(family: str, world_size: int = 2) -> CompileCase:
+    index = next(i for i, s in enumerate(SKELETONS) if s.family == family)
+    return skeleton_case(world_size, index, "aot_eager")
+
+
+def test_a_split_case_compiles_a_prefix_and_refuses_what_cannot_get_a_tangent() -> None:
+    case = _program_of("boundaries")
+    assert case.split is not None
+    assert "rest eager" in case.call()
+    steps = len(case.program.steps)
+    with pytest.raises(InvalidArgument, match=f"split={steps + 1}"):
+        dataclasses.replace(case, split=steps + 1)
+    with pytest.raises(InvalidArgument, match="split=0"):
+        dataclasses.replace(case, split=0)
+    last_only = dataclasses.replace(case.program, loss_of_all=False)
+    with pytest.raises(InvalidArgument, match="loss_of_all=False"):
+        dataclasses.replace(case, program=last_only)
+    assert dataclasses.replace(case, split=None).structure() != case.structure()
+
+
+def test_a_guarded_case_shares_its_key_with_its_first_call() -> None:
+    case = _program_of("guards")
+    first = case.first_call()
+    assert first is not None
+    assert first.program.leaves[0].placements == case.guard_placements
+    assert first.program.leaves[1:] == case.program.leaves[1:]
+    assert first.guard_placements == ()
+    # one key: the case's call meets the graph its first call compiled
+    assert dataclasses.replace(first, guard_placements=case.program.leaves[0].placements)
+    assert (
+        case.structure()
+        == dataclasses.replace(
+            first, guard_placements=case.program.leaves[0].placements
+        ).structure()
+    )
+    # but the full structures differ: the guard must compile anew
+    assert first.structure() != dataclasses.replace(case, guard_placements=()).structure()
+    assert _program_of("layouts").first_call() is None
+    own = case.program.leaves[0].placements
+    with pytest.raises(InvalidArgument, match="guard_placements="):
+        dataclasses.replace(case, guard_placements=own)
+
+
+def test_a_transposed_leaf_is_distributed_and_keyed_apart() -> None:
+    with pytest.raises(InvalidArgument, match="how"):
+        Leaf(SKELETONS[0].leaves[0][0], "from_local", 0, transposed=True)
+    case = _program_of("guards")
+    assert any(leaf.transposed for leaf in case.program.leaves)
+    plain = tuple(dataclasses.replace(leaf, transposed=False) for leaf in case.program.leaves)
+    other = dataclasses.replace(case, program=dataclasses.replace(case.program, leaves=plain))
+    assert other.structure() != case.structure()
+    reference = program_on_one_device(case.program, "cpu")
+    assert not reference.contiguous[1]  # the leaf itself, a transposed view
+
+
+def test_collectives_are_the_identity_without_a_gradient_on_one_device() -> None:
+    case = _program_of("collectives", world_size=3)
+    assert case.families() == ("collectives",)
+    assert case.program.shape[0] % 3 == 0  # reduce_scatter_tensor splits dim 0 evenly
+    reference = program_on_one_device(case.program, "cpu")
+    leaves = len(case.program.leaves)
+    for step, value, flag in zip(
+        case.program.steps, reference.values[leaves:], reference.requires_grad[leaves:], strict=True
+    ):
+        assert OPS[step.op].collective
+        assert not flag
+        numpy.testing.assert_array_equal(value, reference.values[step.args[0]])
+    assert "dist.all_reduce" in case.call()
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_the_program_property_never_draws_a_collective(data: st.DataObject) -> None:
+    case = data.draw(program_cases(data.draw(st.integers(1, 4))))
+    assert not any(OPS[step.op].collective for step in case.steps)
+
+
+def test_steps_run_from_a_given_step_on() -> None:
+    program = skeleton_program(2, 0)
+    whole = torch.ones(program.shape, dtype=torch.float64)
+    started = run_steps(program, [whole], None)
+    assert len(started) == 1 + len(program.steps)
+    resumed = run_steps(program, started[:2], None, first=1)
+    assert len(resumed) == len(started)
+    torch.testing.assert_close(resumed[-1], started[-1])
+    assert Step("tanh", (0,)) == program.steps[0]

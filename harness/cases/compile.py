@@ -14,11 +14,12 @@ by the names of their classes, so that it needs no torch.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from harness.cases.programs import OPS, ProgramCase
 from harness.cases.training import ParityCase
 from harness.errors import check_one_of, require
+from specs.placements import Placement
 
 BACKENDS = ("aot_eager", "inductor")
 """``aot_eager`` runs AOTAutograd's graphs with eager kernels: it promises eager's values
@@ -58,9 +59,14 @@ FAMILIES: dict[str, str] = {
     "roundtrip": "local",
     "relabel": "local",
     "full_tensor": "redistribute",
+    "all_reduce": "collectives",
+    "reduce_scatter": "collectives",
+    "all_gather": "collectives",
 }
 """Each program op's family, the unit the suite counts refusals by: ``local`` is
-``to_local``/``from_local``, ``redistribute`` every collective a program asks for."""
+``to_local``/``from_local``, ``redistribute`` every collective a program asks for through
+DTensor, ``collectives`` the ``torch.distributed`` calls on local tensors (which dynamo
+remaps to functional collectives)."""
 
 
 @dataclass(frozen=True)
@@ -69,15 +75,51 @@ class CompileCase:
 
     program: ProgramCase
     backend: str
+    split: int | None = None
+    """The compiled function runs the first ``split`` steps and returns their values live
+    (still requiring grad); the other steps and the loss run eagerly on them, as a user's
+    loss outside a compiled block: gradients reach the compiled backward in the placements
+    eager's ops give them, which may differ from those tracing assumed. None: every step and
+    the loss compiled, the values returned detached."""
+    guard_placements: tuple[Placement, ...] = ()
+    """Leaf 0's placements in a first call of the same compiled callable: ``structure``
+    leaves leaf 0's placements out, so the case's own call meets a graph compiled for other
+    placements, which dynamo's guard on a DTensor's spec must turn down (a new graph)."""
 
     def __post_init__(self) -> None:
         require(isinstance(self.program, ProgramCase), "program", self.program, "a ProgramCase")
         check_one_of("backend", self.backend, BACKENDS)
+        if self.split is not None:
+            steps = len(self.program.steps)
+            require(0 < self.split <= steps, "split", self.split, f"1-{steps} (steps compiled)")
+            # an output left out of the loss gets no tangent: torch refuses that (#172556)
+            loss = self.program.loss_of_all
+            require(loss, "program.loss_of_all", loss, "True where the loss is outside")
+        if self.guard_placements:
+            own = self.program.leaves[0].placements
+            different = len(self.guard_placements) == len(own) and self.guard_placements != own
+            require(different, "guard_placements", self.guard_placements, f"other than {own}")
+
+    def first_call(self) -> CompileCase | None:
+        """The case whose call comes first through this case's compiled callable (leaf 0 in
+        ``guard_placements``), or None."""
+        if not self.guard_placements:
+            return None
+        program = self.program
+        first = replace(program.leaves[0], placements=self.guard_placements)
+        leaves = (first, *program.leaves[1:])
+        return CompileCase(replace(program, leaves=leaves), self.backend, self.split)
 
     def structure(self) -> Hashable:
-        """What a compiled graph of this case is specific to (see the module's docstring)."""
+        """What a compiled graph of this case is specific to (see the module's docstring);
+        leaf 0's placements left out where ``guard_placements`` is set."""
         program = self.program
-        leaves = tuple((leaf.placements, leaf.how, leaf.explicit_shape) for leaf in program.leaves)
+        leaves: tuple[tuple[Hashable, ...], ...] = tuple(
+            (leaf.placements, leaf.how, leaf.explicit_shape, leaf.transposed)
+            for leaf in program.leaves
+        )
+        if self.guard_placements:
+            leaves = (("guarded", *leaves[0][1:]), *leaves[1:])
         return (
             self.backend,
             program.mesh,
@@ -85,6 +127,8 @@ class CompileCase:
             leaves,
             program.steps,
             program.loss_of_all,
+            self.split,
+            bool(self.guard_placements),
         )
 
     def families(self) -> tuple[str, ...]:
@@ -92,9 +136,12 @@ class CompileCase:
         return tuple(dict.fromkeys(FAMILIES[step.op] for step in self.program.steps))
 
     def call(self) -> str:
+        split = "" if self.split is None else f" (its first {self.split} steps; the rest eager)"
+        first = self.first_call()
+        before = "" if first is None else f", called first with x0 in {self.guard_placements}"
         return (
-            f"torch.compile(program, backend={self.backend!r}, fullgraph=True) and eagerly, "
-            f"{self.program.call()}"
+            f"torch.compile(program, backend={self.backend!r}, fullgraph=True){split} and "
+            f"eagerly{before}, {self.program.call()}"
         )
 
 

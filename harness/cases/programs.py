@@ -67,6 +67,12 @@ class Op:
     placements: "keeps" (if an argument may), "makes" (a reduction or a product may
     leave one), "clears" (never: non-linear ops reduce first, redistribute targets hold
     none). A strategy draws in-place ops only on values that hold none."""
+    collective: bool = False
+    """A ``torch.distributed`` collective called on the value's local tensor and given back
+    by ``from_local`` (the reduction of a Partial value done by hand, a gather of an even
+    Shard(0)): its argument must hold the layout the call expects, which the compile suite's
+    skeletons fix; ``program_cases`` never draws it. No gradient flows through it (the
+    collective runs on a detached copy): one device detaches."""
 
 
 def _same(shapes: list[Shape], step: Step) -> Shape:
@@ -147,6 +153,39 @@ OPS: dict[str, Op] = {
         True,
         pending="clears",
     ),
+    "all_reduce": Op(
+        1,
+        _same,
+        _unary(
+            "DTensor.from_local(dist.all_reduce({0}.to_local(), op=<{0}'s Partial op>), mesh, "
+            "[Replicate()])"
+        ),
+        True,
+        pending="clears",
+        collective=True,
+    ),
+    "reduce_scatter": Op(
+        1,
+        _same,
+        _unary(
+            "DTensor.from_local(dist.reduce_scatter_tensor(out, {0}.to_local(), "
+            "op=<{0}'s Partial op>), mesh, [Shard(0)], shape=, stride=)"
+        ),
+        True,
+        pending="clears",
+        collective=True,
+    ),
+    "all_gather": Op(
+        1,
+        _same,
+        _unary(
+            "DTensor.from_local(torch.cat(dist.all_gather(pieces, {0}.to_local())), mesh, "
+            "[Replicate()])"
+        ),
+        True,
+        pending="clears",
+        collective=True,
+    ),
 }
 
 
@@ -176,9 +215,14 @@ class Leaf:
     seed: int
     explicit_shape: bool = True
     """from_local: pass ``shape`` and ``stride`` (else torch infers them from an even split)."""
+    transposed: bool = False
+    """distribute: the tensor handed to ``distribute_tensor`` is a transposed view (its last
+    two dims' strides swapped), so the DTensor is not contiguous."""
 
     def __post_init__(self) -> None:
         check_one_of("how", self.how, LEAF_KINDS)
+        if self.transposed:
+            check_one_of("how (of a transposed leaf)", self.how, ("distribute",))
 
 
 @dataclass(frozen=True)
@@ -217,7 +261,7 @@ class ProgramCase:
         names = self.value_names()
         lines = [
             f"{names[i]} = {leaf.how}(shape={self.shape}, placements={leaf.placements}, "
-            f"seed={leaf.seed}, requires_grad=True"
+            f"seed={leaf.seed}, requires_grad=True{', transposed' if leaf.transposed else ''}"
             f"{'' if leaf.explicit_shape or leaf.how != 'from_local' else ', no shape='})"
             for i, leaf in enumerate(self.leaves)
         ]

@@ -177,7 +177,7 @@ def _arguments(
 def _step(
     draw: st.DrawFn, known: tuple[Shape, ...], partial: tuple[bool, ...], mesh: MeshCase
 ) -> Step:
-    fitting = tuple(op for op in OPS if _candidates(op, known, partial))
+    fitting = tuple(op for op in OPS if not OPS[op].collective and _candidates(op, known, partial))
     op = draw(sampled(tuple(name for name in fitting for _ in range(_WEIGHTS.get(name, 1)))))
     args = draw(_arguments(_candidates(op, known, partial), len(known)))
     shape = known[args[0]]

@@ -20,7 +20,7 @@ import threading
 import time
 import types
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,6 +45,9 @@ class Compiled:
     """Graphs the backend was handed (one per dynamo compile: fullgraph gives one a call)."""
     refusal: str = ""
     """Why torch refused to compile it (``refusal_kind``: the message's first line)."""
+    called: set[Hashable] = field(default_factory=set)
+    """What it was called with so far, by structure (a key may leave part of a structure
+    out: a call with one it has not seen must compile a graph of its own)."""
 
 
 _cache: dict[Hashable, Compiled] = {}

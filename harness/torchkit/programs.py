@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from harness.cases.programs import ProgramCase, Step, relabelled
+from harness.cases.programs import OPS, ProgramCase, Step, relabelled
 from harness.torchkit.dtensor import to_torch_placements
 from specs.placements import normalize
 
@@ -44,14 +45,17 @@ _RUN: dict[str, Run] = {
 
 
 def run_steps(
-    case: ProgramCase, values: list[torch.Tensor], mesh: DeviceMesh | None
+    case: ProgramCase, values: list[torch.Tensor], mesh: DeviceMesh | None, first: int = 0
 ) -> list[torch.Tensor]:
-    """``values`` (the leaves) followed by each step's result, on DTensors over ``mesh``
-    or, with no mesh, on plain tensors."""
-    for step in case.steps:
+    """``values`` (the leaves, then the results of the steps before ``first``) followed by
+    each step's result from ``first`` on, on DTensors over ``mesh`` or, with no mesh, on
+    plain tensors."""
+    for step in case.steps[first:]:
         args = [values[i] for i in step.args]
         if step.op in _RUN:
             values.append(_RUN[step.op](args, step))
+        elif mesh is None and OPS[step.op].collective:
+            values.append(args[0].detach())
         elif mesh is None:
             scale = case.scale_of(step) if step.op == "relabel" else 1.0
             values.append(args[0] * scale if scale != 1.0 else args[0])
@@ -78,6 +82,8 @@ def _move(value: torch.Tensor, step: Step, mesh: DeviceMesh) -> torch.Tensor:
         return DTensor.from_local(
             value.to_local(), mesh, value.placements, shape=value.shape, stride=value.stride()
         )
+    if OPS[step.op].collective:
+        return _collective(value, step.op, mesh)
     if step.op == "full_tensor":
         return DTensor.from_local(value.full_tensor(), mesh, [Replicate()] * mesh.ndim)
     moved = value.redistribute(mesh, to_torch_placements(step.target))
@@ -92,3 +98,30 @@ def _move(value: torch.Tensor, step: Step, mesh: DeviceMesh) -> torch.Tensor:
     # from_local infers the global stride from the local one, and a redistribute on CPU
     # (all-gather, then a chunk) can leave a non-contiguous local piece
     return DTensor.from_local(local.contiguous(), mesh, labels)
+
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _collective(value: DTensor, op: str, mesh: DeviceMesh) -> torch.Tensor:
+    """A collective of ``torch.distributed`` on ``value``'s local tensor (a detached copy),
+    over the 1-D mesh's group, given back by ``from_local``: a Partial value reduced by hand
+    with its own reduce op (all_reduce to Replicate, reduce_scatter_tensor to Shard(0)), an
+    even Shard(0) gathered into a list (all_gather)."""
+    assert mesh.ndim == 1, "a collective op runs on a 1-D mesh"
+    group = mesh.get_group()
+    local = value.to_local().detach().clone()
+    if op == "all_gather":
+        assert value.placements == (Shard(0),), f"all_gather reads Shard(0), got {value}"
+        pieces = [torch.empty_like(local) for _ in range(mesh.size())]
+        dist.all_gather(pieces, local, group=group)
+        return DTensor.from_local(torch.cat(pieces), mesh, [Replicate()])
+    (placement,) = value.placements
+    assert isinstance(placement, Partial), f"{op} reads a Partial value, got {value}"
+    reduce_op = _REDUCE_OPS[placement.reduce_op]
+    if op == "all_reduce":
+        dist.all_reduce(local, op=reduce_op, group=group)
+        return DTensor.from_local(local, mesh, [Replicate()])
+    out = local.new_empty((local.shape[0] // mesh.size(), *local.shape[1:]))
+    dist.reduce_scatter_tensor(out, local, op=reduce_op, group=group)
+    return DTensor.from_local(out, mesh, [Shard(0)], shape=value.shape, stride=value.stride())

@@ -11,7 +11,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from harness import RankContext
 from harness.cases.compile import FAMILIES, CompileCase
-from harness.cases.programs import ProgramCase
 from harness.torchkit.compile import Compiled, compiled, refusal_of, timed
 from harness.torchkit.programs import loss_of, run_steps
 from suites.checks.programs import ProgramRun, Runs, eager_steps, run_program
@@ -34,28 +33,48 @@ class CompiledRun:
     """Graphs compiled during this example's compiled run."""
     seconds: float
     """The compiled run's seconds (forward and backward; compiling, where it compiled)."""
+    stale: bool = False
+    """The compiled callable, called before with other leaf placements
+    (``CompileCase.guard_placements``), ran this case's without compiling a graph for them."""
 
 
 def compiled_program_on_rank(ctx: RankContext, case: CompileCase) -> CompiledRun:
     eager = run_program(ctx, case.program, eager_steps(case.program))
     mesh = ctx.mesh_of(case.program.mesh)
     key = (case.structure(), id(mesh))  # the entry's closure holds the mesh: its id stays its own
-    entry = compiled(key, lambda: _steps_of(case.program, mesh), case.backend)
+    entry = compiled(key, lambda: _steps_of(case, mesh), case.backend)
     reused = entry.graphs > 0 or bool(entry.refusal)
-    if entry.refusal:
-        return CompiledRun(eager, None, entry.refusal, _family(ctx, case), reused, 0, 0.0)
     try:
-        run, cost = timed(entry, lambda: run_program(ctx, case.program, _through(entry)))
+        first = case.first_call()
+        if first is not None and first.structure() not in entry.called and not entry.refusal:
+            run_program(ctx, first.program, _through(entry, first))
+            entry.called.add(first.structure())
+        if entry.refusal:
+            return CompiledRun(eager, None, entry.refusal, _family(ctx, case), reused, 0, 0.0)
+        own = replace(case, guard_placements=()).structure()  # leaf 0's placements too
+        seen, new = bool(entry.called), own not in entry.called
+        run, cost = timed(entry, lambda: run_program(ctx, case.program, _through(entry, case)))
+        entry.called.add(own)
     except Exception as error:
         refusal = refusal_of(error)
         if refusal is None:
             raise
         entry.refusal = refusal
         return CompiledRun(eager, None, refusal, _family(ctx, case), reused, entry.graphs, 0.0)
-    return CompiledRun(eager, run, "", "", reused, cost.graphs, cost.seconds)
+    stale = seen and new and cost.graphs == 0
+    return CompiledRun(eager, run, "", "", reused, cost.graphs, cost.seconds, stale)
 
 
-def _steps_of(program: ProgramCase, mesh: DeviceMesh) -> Callable[..., Any]:
+def _steps_of(case: CompileCase, mesh: DeviceMesh) -> Callable[..., Any]:
+    program = case.program
+    if case.split is not None:
+        prefix = replace(program, steps=program.steps[: case.split])
+
+        def compiled_prefix(*inputs: torch.Tensor) -> list[torch.Tensor]:
+            return run_steps(prefix, list(inputs), mesh)[len(inputs) :]
+
+        return compiled_prefix
+
     def compiled_steps(
         *inputs: torch.Tensor,
     ) -> tuple[list[torch.Tensor], torch.Tensor, list[bool]]:
@@ -70,10 +89,15 @@ def _steps_of(program: ProgramCase, mesh: DeviceMesh) -> Callable[..., Any]:
     return compiled_steps
 
 
-def _through(entry: Compiled) -> Runs:
+def _through(entry: Compiled, case: CompileCase) -> Runs:
+    program, split = case.program, case.split
+
     def run(
         inputs: list[torch.Tensor], mesh: DeviceMesh
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        if split is not None:
+            values = run_steps(program, [*inputs, *entry.call(*inputs)], mesh, first=split)
+            return values, loss_of(program, values)
         values, loss, flags = entry.call(*inputs)
         return [v.requires_grad_(f) for v, f in zip(values, flags, strict=True)], loss
 
@@ -86,16 +110,16 @@ def _family(ctx: RankContext, case: CompileCase) -> str:
     program = case.program
     mesh = ctx.mesh_of(program.mesh)
     for count in range(1, len(program.steps) + 1):
-        prefix = replace(program, steps=program.steps[:count])
+        prefix = CompileCase(replace(program, steps=program.steps[:count]), case.backend)
         entry = compiled(
-            (replace(case, program=prefix).structure(), id(mesh), "prefix"),
+            (prefix.structure(), id(mesh), "prefix"),
             lambda prefix=prefix: _steps_of(prefix, mesh),  # type: ignore[misc]
             case.backend,
         )
         if entry.refusal:
             return FAMILIES[program.steps[count - 1].op]
         try:
-            run_program(ctx, prefix, _through(entry))
+            run_program(ctx, prefix.program, _through(entry, prefix))
         except Exception as error:
             if refusal_of(error) is None:
                 raise

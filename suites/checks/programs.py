@@ -90,7 +90,7 @@ def run_program(ctx: RankContext, case: ProgramCase, runs: Runs) -> ProgramRun:
     for index, leaf in enumerate(case.leaves):
         placements = to_torch_placements(leaf.placements)
         if leaf.how == "distribute":
-            whole = tensor_from(case.leaf_array(index), "float64", ctx.device)
+            whole = _whole(case.leaf_array(index), leaf.transposed, ctx.device)
             dtensor = distribute_tensor(whole.requires_grad_(), mesh, placements)
             inputs.append(dtensor)
             leaves.append(dtensor)
@@ -112,6 +112,15 @@ def run_program(ctx: RankContext, case: ProgramCase, runs: Runs) -> ProgramRun:
     )
 
 
+def _whole(array: np.ndarray, transposed: bool, device: torch.device) -> torch.Tensor:
+    """The tensor a distributed leaf is made from: a transposed view of a contiguous tensor
+    where the leaf says so (the same values, its last two strides swapped)."""
+    if not transposed:
+        return tensor_from(array, "float64", device)
+    swapped = tensor_from(np.ascontiguousarray(array.swapaxes(-1, -2)), "float64", device)
+    return swapped.transpose(-1, -2)
+
+
 def _leaf_piece(ctx: RankContext, case: ProgramCase, index: int) -> torch.Tensor:
     """This rank's piece of leaf ``index``, as a tensor (every rank's, simulated)."""
     return local.rank_tensor(
@@ -130,8 +139,8 @@ def _grad_of(leaf: torch.Tensor, ctx: RankContext) -> DTensorView | np.ndarray |
 def program_on_one_device(case: ProgramCase, device: str) -> Reference:
     where = torch.device(device)
     leaves = [
-        tensor_from(case.leaf_array(i), "float64", where).requires_grad_()
-        for i in range(len(case.leaves))
+        _whole(case.leaf_array(i), leaf.transposed, where).detach().requires_grad_()
+        for i, leaf in enumerate(case.leaves)
     ]
     values = run_steps(case, list(leaves), None)
     loss_of(case, values).backward()

@@ -74,7 +74,7 @@ def _assert_program_grads(
         if isinstance(grad, DTensorView):
             assert_equal_values(grad.shape, want.shape, what=f"shape of {who}")
             _assert_program_array(grad, want, case, who, atol, "program/grads")
-            _assert_laid_out_like_its_leaf(grad, who)
+            _assert_laid_out_like_its_leaf(grad, who, case.leaves[index].transposed)
             continue
         placements = no_partial(case.leaves[index].placements)
         coord = case.mesh.coord_of(rank)
@@ -98,15 +98,22 @@ def _assert_program_array(
         _assert_program_close(view.local, local, f"to_local() of {who}", atol)
 
 
-def _assert_laid_out_like_its_leaf(grad: DTensorView, who: str) -> None:
+def _assert_laid_out_like_its_leaf(grad: DTensorView, who: str, transposed: bool) -> None:
     """AccumulateGrad's layout contract, on the local tensors too: a leaf's .grad is laid
-    out like the (contiguous) leaf, and its local tensor steps through its dims in the same
-    order (a chunk of a gathered tensor may leave gaps between rows; a transposed local
-    tensor under contiguous metadata breaks view() and flat-buffer optimizers on it)."""
+    out like the leaf (contiguous, or a transposed leaf's last two strides swapped), and its
+    local tensor steps through its dims in the leaf's local order, row-major (a chunk of a
+    gathered tensor may leave gaps between rows; a transposed local tensor under contiguous
+    metadata breaks view() and flat-buffer optimizers on it). distribute_tensor of a
+    transposed tensor keeps its stride as the DTensor's and makes its local tensor
+    contiguous (torch 2.13): the gradient follows that leaf."""
     __tracebackhide__ = True
     local_shape = grad.local.shape
     dims = [d for d in range(len(grad.shape)) if grad.shape[d] > 1 and local_shape[d] > 1]
-    want = contiguous_stride(grad.shape)
+    want = list(contiguous_stride(grad.shape))
+    if transposed:
+        swapped = [*grad.shape[:-2], grad.shape[-1], grad.shape[-2]]
+        want = list(contiguous_stride(tuple(swapped)))
+        want[-2], want[-1] = want[-1], want[-2]
     assert_equal_values(
         [grad.stride[d] for d in dims], [want[d] for d in dims], what=f"stride of {who}"
     )
