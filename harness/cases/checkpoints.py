@@ -4,6 +4,7 @@ an lr scheduler and a user ``Stateful`` beside the model and optimizer."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,6 +151,43 @@ class AsyncCase:
         return (
             f"{self.case.call()}; dcp.async_save(async_checkpointer_type={self.checkpointer}"
             f"{options}) then {self.after} step(s) before .result()"
+        )
+
+
+ASYNC_FAILURES = ("overwrite", "write_data")
+"""How an async save is made to fail: a ``FileSystemWriter(overwrite=False)`` of the earlier
+checkpoint's directory (refused on every rank), or a ``FileSystemWriter`` of a new directory
+whose ``write_data`` raises on one rank (a rank whose storage fails mid-save)."""
+
+
+@dataclass(frozen=True)
+class AsyncFailureCase:
+    """``case`` trained and saved by ``dcp.save``, trained one more step, then saved by
+    ``dcp.async_save`` through a writer that fails as ``failure`` says (``ASYNC_FAILURES``; on
+    ``failing_rank`` for ``write_data``), staged by the writer itself (an ``AsyncStager``) or,
+    where ``default_stager``, by a ``DefaultStager``."""
+
+    case: StateDictCase
+    failure: str
+    failing_rank: int = 0
+    default_stager: bool = False
+
+    def __post_init__(self) -> None:
+        check_one_of("failure", self.failure, ASYNC_FAILURES)
+        size = math.prod(self.case.train.mesh_shape)
+        check_one_of("failing_rank", self.failing_rank, range(size))
+
+    def call(self) -> str:
+        writer = (
+            "FileSystemWriter(D, overwrite=False)"
+            if self.failure == "overwrite"
+            else f"FileSystemWriter(D2) whose write_data raises on rank {self.failing_rank}"
+        )
+        stager = ", async_stager=DefaultStager(StagingOptions(False, False, False, False))"
+        stager = stager if self.default_stager else ""
+        return (
+            f"{self.case.call()}; dcp.save into D; one more step; dcp.async_save("
+            f"storage_writer={writer}{stager}).result(); dcp.load(D)"
         )
 
 
