@@ -136,6 +136,12 @@ class AsyncCase:
     planner: bool = False
     """A ``DefaultSavePlanner()`` handed as ``planner=`` (else async_save's own)."""
     use_collectives: bool = True
+    in_place: bool = False
+    """Right after the call (its staging done) every parameter is negated in place, and
+    negated back once the save completed, before the ``after`` steps: a user reusing the live
+    tensors at once, before any background write can have read them (training's first
+    in-place update comes after a forward and a backward, which a background write may
+    outrun)."""
 
     def __post_init__(self) -> None:
         check_int("after", self.after, minimum=1)
@@ -148,9 +154,14 @@ class AsyncCase:
         options += ", storage_writer=FileSystemWriter(d)" if self.storage_writer else ""
         options += ", planner=DefaultSavePlanner()" if self.planner else ""
         options += "" if self.use_collectives else ", use_collectives=False"
+        then = (
+            f"every parameter negated in place, .result(), negated back, {self.after} step(s)"
+            if self.in_place
+            else f"{self.after} step(s) before .result()"
+        )
         return (
             f"{self.case.call()}; dcp.async_save(async_checkpointer_type={self.checkpointer}"
-            f"{options}) then {self.after} step(s) before .result()"
+            f"{options}) then {then}"
         )
 
 

@@ -166,7 +166,8 @@ def async_cases(draw: st.DrawFn, world_size: int, *, accelerator: bool = False) 
     no ``async_stager`` (the writer is an ``AsyncStager``: it stages itself); else half the
     cases a ``DefaultStager`` of drawn ``StagingOptions`` (``use_non_blocking_copy`` only on an
     ``accelerator``), the others async_save's own. Its planner and ``use_collectives`` drawn
-    too (a rank-local save is loaded back at its own layout)."""
+    too (a rank-local save is loaded back at its own layout), and first the live parameters
+    changed in place at once (``AsyncCase.in_place``)."""
     case = draw(state_dict_cases(world_size))
     staging = None
     writer_stages = draw(_TRUE_FIRST)
@@ -180,6 +181,7 @@ def async_cases(draw: st.DrawFn, world_size: int, *, accelerator: bool = False) 
         storage_writer=writer_stages or draw(st.booleans()),
         planner=draw(st.booleans()),
         use_collectives=draw(st.booleans()),
+        in_place=draw(_TRUE_FIRST),
     )
 
 

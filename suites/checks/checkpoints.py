@@ -184,6 +184,12 @@ class AsyncStates:
     """Training through the same steps without a save."""
 
 
+@torch.no_grad()
+def _negate_parameters(model: torch.nn.Module) -> None:
+    for parameter in model.parameters():
+        parameter.neg_()
+
+
 def async_on_rank(ctx: RankContext, case: AsyncCase, directory: str) -> AsyncStates:
     train = case.case.train
     sharded = build(ctx, case.case)
@@ -209,6 +215,10 @@ def async_on_rank(ctx: RankContext, case: AsyncCase, directory: str) -> AsyncSta
             # async staging: the docs ask to wait for staging before changing the state
             response.staging_completion.result()
             response = response.upload_completion
+        if case.in_place:
+            _negate_parameters(sharded.model)
+            response.result()
+            _negate_parameters(sharded.model)  # exact: back to the state at the call
         sharded.train(ctx, train.steps, train.steps + case.after)
         response.result()
     finally:
