@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ from hypothesis import strategies as st
 
 from harness import World, Worlds, parity
 from harness.cases.load_options import CoordinationCase
-from harness.cases.loads import BUFFER, KeyOptionsCase, linear_keys
+from harness.cases.loads import BUFFER, KeyOptionsCase, StrictSetCase, linear_keys
 from harness.parity import assert_array_equal, assert_equal_values, failure
 from harness.profiles import costly
 from harness.strategies import (
@@ -104,9 +105,24 @@ def test_dcp_strict_load_refuses_missing_keys_and_a_partial_load_fills_what_is_t
         _assert_values(seen.loaded, seen.fresh, missing, f"(not in the checkpoint) {what}")
 
 
+BROADCAST_ON_THREADS = (
+    "broadcast_from_rank0 broadcasts on the group's device types, which the threaded process "
+    "group does not register: the processes runner (gloo) serves it"
+)
+"""Why broadcast_from_rank0 runs on rank processes only (``suites.test_checkpoints`` draws it
+where ``world.runner != "threads"`` alike)."""
+
+
 @pytest.mark.spec("state_dict.loads.strict_and_partial")
 @pytest.mark.parametrize(
-    "given_state", ["sharded-grown", "sharded-shrunk", "full-grown", "full-shrunk"]
+    "given_state",
+    [
+        "sharded-grown",
+        "sharded-shrunk",
+        "full-grown",
+        "full-shrunk",
+        "broadcast-grown",
+    ],
 )
 @SPLIT
 @given(data=st.data())
@@ -114,14 +130,29 @@ def test_set_state_dict_strict_refuses_and_non_strict_reports_the_keys(
     world: World, data: st.DataObject, given_state: str
 ) -> None:
     kind, change = given_state.split("-")
-    case = data.draw(strict_set_cases(world.world_size, change, kind == "full"), label="case")
+    broadcast = kind == "broadcast"
+    if broadcast and world.runner == "threads":
+        pytest.skip(BROADCAST_ON_THREADS)
+    strategy = strict_set_cases(world.world_size, change, kind != "sharded", broadcast)
+    case = data.draw(strategy, label="case")
     parity.attach(case.call())
     # the reference: nn.Module.load_state_dict(strict=False) on one device
     source = build_mlp(case.case.train, torch.device("cpu")).state_dict()
     keys = build_mlp(case.loading.train, torch.device("cpu")).load_state_dict(source, strict=False)
     missing, unexpected = sorted(keys.missing_keys), sorted(keys.unexpected_keys)
+    # broadcast_from_rank0 reaches strict through a path of its own: both ways each example,
+    # strict first
+    for each in (replace(case, strict=True), replace(case, strict=False)) if broadcast else (case,):
+        parity.attach(each.call())
+        _assert_strict_set(world, each, missing, unexpected)
+
+
+def _assert_strict_set(
+    world: World, case: StrictSetCase, missing: list[str], unexpected: list[str]
+) -> None:
     how = "set_state_dict" if case.joint else "set_model_state_dict"
-    what = f"{how}(full_state_dict={case.full}, strict={case.strict})"
+    broadcast = "broadcast_from_rank0=True, " if case.broadcast else ""
+    what = f"{how}(full_state_dict={case.full}, {broadcast}strict={case.strict})"
     seen = world.run(checks.strict_set_on_rank, case)
     if case.strict:
         _refused_naming([s.result.error for s in seen], missing + unexpected, what)

@@ -19,6 +19,7 @@ from harness.parity import assert_equal_values, failure
 from harness.profiles import costly
 from harness.strategies import (
     async_cases,
+    async_failure_cases,
     dcp_options_cases,
     state_dict_cases,
     stateful_cases,
@@ -146,6 +147,32 @@ def test_async_save_holds_the_state_at_the_call(world: World, data: st.DataObjec
         assert_same_state(seen.loaded, seen.at_call, what=f"{what} (the state at the call)")
         what = f"training on while async_save ran, rank {rank}"
         assert_same_state(seen.after, seen.straight, what=f"{what} (training without a save)")
+
+
+# Trains, saves, trains, fails an async save, loads: cheaper than async_snapshot.
+ASYNC_FAILURE = costly(15)
+
+
+@pytest.mark.spec("state_dict.checkpoint.async_failure_reported")
+@pytest.mark.runner("processes", reason=ASYNC_ON_THREADS)
+@ASYNC_FAILURE
+@given(data=st.data())
+def test_a_failed_async_save_raises_everywhere(world: World, data: st.DataObject) -> None:
+    case = data.draw(async_failure_cases(world.world_size), label="case")
+    parity.attach(case.call())
+    with driver_directory("distconf-ckpt-") as root:
+        seen = world.run(checks.async_failure_on_rank, case, root)
+    # async_save's docs: its future "holds the result" of the save; a save that fails must
+    # raise from it (or at the call), never resolve as if the checkpoint were written
+    words = "Checkpoint already exists" if case.failure == "overwrite" else "injected"
+    for rank, failed in enumerate(seen):
+        if failed.raised is None or words not in failed.raised:
+            raise failure(
+                f"what the failing async save raised on rank {rank}: got {failed.raised!r}, "
+                f"should be an error saying {words!r}"
+            )
+        what = f"the earlier checkpoint loaded after the failed async save, rank {rank}"
+        assert_same_state(failed.loaded, failed.earlier, what=what)
 
 
 # Two trainings and a save and load an example: the 8-example floor takes 5-6 s at ci over

@@ -60,6 +60,8 @@ def test_strategies_draw_valid_cases(data: st.DataObject, size: int) -> None:
         )
         strict = data.draw(strict_set_cases(size, change, True))
         assert strict.loading.train.seed != strict.case.train.seed
+        broadcast = data.draw(strict_set_cases(size, change, True, True))
+        assert broadcast.broadcast and broadcast.full and not broadcast.joint
     for mismatch in ("shape", "dtype"):
         for via in ("dcp", "set_full", "set_sharded"):
             case = data.draw(mismatch_cases(size, sizes, mismatch, via))
@@ -98,6 +100,8 @@ def test_cases_refuse_bad_values_naming_them(data: st.DataObject) -> None:
     three = replace(base, train=replace(base.train, dims=(2, 3, 4)))
     with pytest.raises(InvalidArgument, match="change="):
         StrictSetCase(three, "doubled", True, False, True)
+    with pytest.raises(InvalidArgument, match="broadcast=True"):
+        StrictSetCase(three, "grown", False, False, True, broadcast=True)
     with pytest.raises(InvalidArgument, match="frozen="):
         KeyOptionsCase(three, ("9.weight",), True, False, False, None, True, True)
     with pytest.raises(InvalidArgument, match="submodule="):

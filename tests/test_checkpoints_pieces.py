@@ -7,13 +7,20 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import find, given, settings
 from hypothesis import strategies as st
 
-from harness.cases.checkpoints import AsyncCase, CheckpointOptions, OptionsCase, StatefulCase
+from harness.cases.checkpoints import (
+    AsyncCase,
+    AsyncFailureCase,
+    CheckpointOptions,
+    OptionsCase,
+    StatefulCase,
+)
 from harness.errors import InvalidArgument
 from harness.strategies.checkpoints import (
     async_cases,
+    async_failure_cases,
     checkpoint_options,
     dcp_options_cases,
     stateful_cases,
@@ -56,6 +63,11 @@ def test_cases_refuse_bad_values_naming_them(data: st.DataObject) -> None:
         replace(saved, checkpointer="process")
     with pytest.raises(InvalidArgument, match="staging option='use_magic'"):
         replace(saved, staging=(("use_magic", True),))
+    failing = data.draw(async_failure_cases(2))
+    with pytest.raises(InvalidArgument, match="failure='disk_full'"):
+        replace(failing, failure="disk_full")
+    with pytest.raises(InvalidArgument, match="failing_rank=2"):
+        replace(failing, failing_rank=2)
     resumed = data.draw(stateful_cases(2))
     named = resumed.groups[0][0]
     with pytest.raises(InvalidArgument, match="groups="):
@@ -120,6 +132,17 @@ def test_async_and_stateful_strategies_draw_valid_cases(data: st.DataObject, siz
             assert hollow in ([], [len(case.groups) - 1])
         else:
             assert len(hollow) == 1 and hollow[0] < len(case.groups) - 1
+
+
+def test_async_strategies_start_from_the_writer_as_stager_and_a_failure_of_each_kind() -> None:
+    # a derandomized profile's first example is the simplest draw: the FileSystemWriter
+    # staging itself (no async_stager), where a stager staging by reference shows
+    simplest = find(async_cases(2), lambda case: True)
+    assert simplest.storage_writer and simplest.staging is None
+    for failure in ("overwrite", "write_data"):
+        found = find(async_failure_cases(3), lambda case, f=failure: case.failure == f)
+        assert isinstance(found, AsyncFailureCase)
+        assert 0 <= found.failing_rank < 3
 
 
 def test_data_position_counts_steps_and_loads_back() -> None:

@@ -4,6 +4,7 @@ an lr scheduler and a user ``Stateful`` beside the model and optimizer."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,6 +136,12 @@ class AsyncCase:
     planner: bool = False
     """A ``DefaultSavePlanner()`` handed as ``planner=`` (else async_save's own)."""
     use_collectives: bool = True
+    in_place: bool = False
+    """Right after the call (its staging done) every parameter is negated in place, and
+    negated back once the save completed, before the ``after`` steps: a user reusing the live
+    tensors at once, before any background write can have read them (training's first
+    in-place update comes after a forward and a backward, which a background write may
+    outrun)."""
 
     def __post_init__(self) -> None:
         check_int("after", self.after, minimum=1)
@@ -147,9 +154,51 @@ class AsyncCase:
         options += ", storage_writer=FileSystemWriter(d)" if self.storage_writer else ""
         options += ", planner=DefaultSavePlanner()" if self.planner else ""
         options += "" if self.use_collectives else ", use_collectives=False"
+        then = (
+            f"every parameter negated in place, .result(), negated back, {self.after} step(s)"
+            if self.in_place
+            else f"{self.after} step(s) before .result()"
+        )
         return (
             f"{self.case.call()}; dcp.async_save(async_checkpointer_type={self.checkpointer}"
-            f"{options}) then {self.after} step(s) before .result()"
+            f"{options}) then {then}"
+        )
+
+
+ASYNC_FAILURES = ("overwrite", "write_data")
+"""How an async save is made to fail: a ``FileSystemWriter(overwrite=False)`` of the earlier
+checkpoint's directory (refused on every rank), or a ``FileSystemWriter`` of a new directory
+whose ``write_data`` raises on one rank (a rank whose storage fails mid-save)."""
+
+
+@dataclass(frozen=True)
+class AsyncFailureCase:
+    """``case`` trained and saved by ``dcp.save``, trained one more step, then saved by
+    ``dcp.async_save`` through a writer that fails as ``failure`` says (``ASYNC_FAILURES``; on
+    ``failing_rank`` for ``write_data``), staged by the writer itself (an ``AsyncStager``) or,
+    where ``default_stager``, by a ``DefaultStager``."""
+
+    case: StateDictCase
+    failure: str
+    failing_rank: int = 0
+    default_stager: bool = False
+
+    def __post_init__(self) -> None:
+        check_one_of("failure", self.failure, ASYNC_FAILURES)
+        size = math.prod(self.case.train.mesh_shape)
+        check_one_of("failing_rank", self.failing_rank, range(size))
+
+    def call(self) -> str:
+        writer = (
+            "FileSystemWriter(D, overwrite=False)"
+            if self.failure == "overwrite"
+            else f"FileSystemWriter(D2) whose write_data raises on rank {self.failing_rank}"
+        )
+        stager = ", async_stager=DefaultStager(StagingOptions(False, False, False, False))"
+        stager = stager if self.default_stager else ""
+        return (
+            f"{self.case.call()}; dcp.save into D; one more step; dcp.async_save("
+            f"storage_writer={writer}{stager}).result(); dcp.load(D)"
         )
 
 

@@ -115,16 +115,21 @@ class PartialLoadCase:
 class StrictSetCase:
     """``case``'s model state dict (full or sharded) set into a fresh model one Linear
     ``change``d, by ``set_state_dict`` (``joint``) or ``set_model_state_dict``, with
-    ``StateDictOptions(strict=strict, full_state_dict=full)``."""
+    ``StateDictOptions(strict=strict, full_state_dict=full)``; where ``broadcast``, with
+    ``broadcast_from_rank0=True`` too, rank 0 alone given the full state dict (the others an
+    empty one)."""
 
     case: StateDictCase
     change: str
     full: bool
     joint: bool
     strict: bool
+    broadcast: bool = False
 
     def __post_init__(self) -> None:
         check_one_of("change", self.change, CHANGES)
+        # StateDictOptions refuses broadcast_from_rank0 without full_state_dict
+        require(self.full or not self.broadcast, "broadcast", self.broadcast, "False unless full")
         check_one_of("case.train.layout", self.case.train.layout, UNTP_LAYOUTS)
         changed_dims(self.case.train.dims, self.change)
 
@@ -134,10 +139,12 @@ class StrictSetCase:
 
     def call(self) -> str:
         how = "set_state_dict" if self.joint else "set_model_state_dict"
+        broadcast = ", broadcast_from_rank0=True" if self.broadcast else ""
+        given = " (rank 0's; the others {})" if self.broadcast else ""
         return (
             f"{self.case.call()}; {how}(a model {self.change} by one Linear "
-            f"{self.loading.train.dims}, options=StateDictOptions(full_state_dict={self.full}, "
-            f"strict={self.strict}))"
+            f"{self.loading.train.dims}, its state dict{given}, options=StateDictOptions("
+            f"full_state_dict={self.full}{broadcast}, strict={self.strict}))"
         )
 
 

@@ -312,6 +312,23 @@ fail, so a swallowed error has nothing to swallow) and the two broadcast_from_ra
 shard sliced from offset 0 shows only where the options property draws broadcast_from_rank0
 with a sharded load of two or more ranks).
 
+On rank processes (checkpoints and checkpoint_loads, ci, world size 2) 1 of those 4 was then
+caught: state_dict.broadcast_rank0_shard_everywhere (state_dict.full.broadcast_from_rank0).
+The properties were widened in general once more, by the same reader: the async save's first
+draw hands a FileSystemWriter as its own stager (async_save stages through it when given no
+async_stager) and changes every live parameter in place right after the call, negating it
+back once the save completed (training's first in-place update comes after a forward and a
+backward, which the background write may outrun); a new property makes async saves fail
+(FileSystemWriter(overwrite=False) over an earlier checkpoint, a writer failing on one rank)
+and asks every rank's call or future to raise, the earlier checkpoint still loading; and the
+strict/partial property sets rank 0's full state dict lacking a key with broadcast_from_rank0,
+strict both ways. That found a deviation of torch 2.13 and 2.15
+(state_dict.loads.strict_and_partial, broadcast-grown: strict=False returns no missing key)
+and catches all 3 survivors, 4 of 4 on rank processes: dcp.async_stage_cpu_by_reference
+(state_dict.checkpoint.async_snapshot, 1 example), dcp.async_save_errors_swallowed
+(state_dict.checkpoint.async_failure_reported, 1) and
+state_dict.broadcast_from_rank0_strict_ignored (state_dict.loads.strict_and_partial, 1).
+
 Compile set
 ===========
 

@@ -18,6 +18,7 @@ from harness.strategies._common import (
 from harness.strategies.checkpointing import checkpointings
 from harness.strategies.checkpoints import (
     async_cases,
+    async_failure_cases,
     checkpoint_options,
     dcp_options_cases,
     stateful_cases,
@@ -135,6 +136,7 @@ __all__ = [
     "MAX_SIDE",
     "api_options_cases",
     "async_cases",
+    "async_failure_cases",
     "checkpoint_options",
     "checkpointings",
     "class_counts",

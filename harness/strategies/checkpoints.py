@@ -3,6 +3,7 @@ and load, async saves, DCP state dicts holding schedulers and user ``Stateful`` 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -10,9 +11,11 @@ from typing import Any
 from hypothesis import strategies as st
 
 from harness.cases.checkpoints import (
+    ASYNC_FAILURES,
     REWRITES,
     STAGING_OPTIONS,
     AsyncCase,
+    AsyncFailureCase,
     CheckpointOptions,
     OptionsCase,
     StatefulCase,
@@ -158,21 +161,42 @@ def _second_group(reshard: ReshardCase) -> ReshardCase:
 @st.composite
 def async_cases(draw: st.DrawFn, world_size: int, *, accelerator: bool = False) -> AsyncCase:
     """A trained ``state_dict_cases`` case saved by ``dcp.async_save`` while it trains 1-2
-    more steps; half the cases hand it a ``DefaultStager`` of drawn ``StagingOptions``
-    (``use_non_blocking_copy`` only on an ``accelerator``); its storage writer, planner and
-    ``use_collectives`` drawn too (a rank-local save is loaded back at its own layout)."""
+    more steps. Its stager: first (the simplest draw, a derandomized profile's first
+    example) the one a user gets by handing a ``FileSystemWriter`` as ``storage_writer`` and
+    no ``async_stager`` (the writer is an ``AsyncStager``: it stages itself); else half the
+    cases a ``DefaultStager`` of drawn ``StagingOptions`` (``use_non_blocking_copy`` only on an
+    ``accelerator``), the others async_save's own. Its planner and ``use_collectives`` drawn
+    too (a rank-local save is loaded back at its own layout), and first the live parameters
+    changed in place at once (``AsyncCase.in_place``)."""
     case = draw(state_dict_cases(world_size))
     staging = None
-    if draw(st.booleans()):
+    writer_stages = draw(_TRUE_FIRST)
+    if not writer_stages and draw(st.booleans()):
         names = STAGING_OPTIONS + (("use_non_blocking_copy",) if accelerator else ())
         staging = tuple((name, draw(st.booleans())) for name in names)
     return AsyncCase(
         case,
         after=draw(st.integers(1, 2)),
         staging=staging,
-        storage_writer=draw(st.booleans()),
+        storage_writer=writer_stages or draw(st.booleans()),
         planner=draw(st.booleans()),
         use_collectives=draw(st.booleans()),
+        in_place=draw(_TRUE_FIRST),
+    )
+
+
+@takes_world_size
+@st.composite
+def async_failure_cases(draw: st.DrawFn, world_size: int) -> AsyncFailureCase:
+    """A ``state_dict_cases`` case whose async save fails (``ASYNC_FAILURES``, on a drawn
+    rank), staged by the writer itself or by a ``DefaultStager``."""
+    case = draw(state_dict_cases(world_size))
+    size = math.prod(case.train.mesh_shape)
+    return AsyncFailureCase(
+        case,
+        failure=draw(sampled(ASYNC_FAILURES)),
+        failing_rank=draw(st.integers(0, size - 1)),
+        default_stager=draw(st.booleans()),
     )
 
 

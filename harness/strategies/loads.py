@@ -70,15 +70,22 @@ def partial_load_cases(
 
 
 @st.composite
-def strict_set_cases(draw: st.DrawFn, world_size: int, change: str, full: bool) -> StrictSetCase:
+def strict_set_cases(
+    draw: st.DrawFn, world_size: int, change: str, full: bool, broadcast: bool = False
+) -> StrictSetCase:
     """A fsdp/hsdp model's state dict (``full`` or sharded) set into a model one Linear
-    ``change``d, strict or not, by ``set_state_dict`` or ``set_model_state_dict``."""
+    ``change``d, strict or not, by ``set_state_dict`` or ``set_model_state_dict``; with
+    ``broadcast`` (and ``full``), ``broadcast_from_rank0`` by ``set_model_state_dict`` (one
+    ``set_state_dict`` call hangs where rank 0 alone holds the values: spec
+    state_dict.full.broadcast_from_rank0_joint)."""
     check_one_of("change", change, CHANGES)
     case = _untrained(draw(state_dict_cases(world_size, layouts=UNTP_LAYOUTS, steps=(0, 0))))
     dims = case.train.dims
     if change == "shrunk" and len(dims) < 3:
         case = replace(case, train=replace(case.train, dims=(*dims, dims[-1])))
-    return StrictSetCase(case, change, full, joint=draw(st.booleans()), strict=draw(st.booleans()))
+    joint = not broadcast and draw(st.booleans())
+    strict = draw(st.booleans())
+    return StrictSetCase(case, change, full, joint=joint, strict=strict, broadcast=broadcast)
 
 
 @st.composite

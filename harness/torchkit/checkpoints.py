@@ -43,7 +43,8 @@ def state_dict_options(chosen: tuple[tuple[str, Any], ...]) -> StateDictOptions:
 
 
 def stager(staging: tuple[tuple[str, bool], ...] | None) -> DefaultStager | None:
-    """A ``DefaultStager`` of those ``StagingOptions`` (the fields left out False), or None."""
+    """A ``DefaultStager`` of those ``StagingOptions`` (the fields left out False: ``()`` is
+    one a CPU accepts, where its defaults ask for an accelerator), or None."""
     if staging is None:
         return None
     chosen = {"use_pinned_memory": False, "use_shared_memory": False}

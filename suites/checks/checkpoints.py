@@ -27,13 +27,14 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from harness import RankContext
-from harness.cases.checkpoints import AsyncCase, OptionsCase, StatefulCase
+from harness.cases.checkpoints import AsyncCase, AsyncFailureCase, OptionsCase, StatefulCase
 from harness.cases.state_dict import StateDictCase
 from harness.torchkit import checkpoints as kit
 from harness.torchkit.models import build_mlp
 from harness.torchkit.optim import optimizer_kwargs
 from harness.torchkit.schedules import Scheduled, build_schedule
 from harness.torchkit.training import parallelize, train_step
+from suites.checks.loads import FailingWriter
 from suites.checks.state_dict import (
     FRESH_LR_FACTOR,
     FullState,
@@ -183,6 +184,12 @@ class AsyncStates:
     """Training through the same steps without a save."""
 
 
+@torch.no_grad()
+def _negate_parameters(model: torch.nn.Module) -> None:
+    for parameter in model.parameters():
+        parameter.neg_()
+
+
 def async_on_rank(ctx: RankContext, case: AsyncCase, directory: str) -> AsyncStates:
     train = case.case.train
     sharded = build(ctx, case.case)
@@ -208,6 +215,10 @@ def async_on_rank(ctx: RankContext, case: AsyncCase, directory: str) -> AsyncSta
             # async staging: the docs ask to wait for staging before changing the state
             response.staging_completion.result()
             response = response.upload_completion
+        if case.in_place:
+            _negate_parameters(sharded.model)
+            response.result()
+            _negate_parameters(sharded.model)  # exact: back to the state at the call
         sharded.train(ctx, train.steps, train.steps + case.after)
         response.result()
     finally:
@@ -224,6 +235,55 @@ def async_on_rank(ctx: RankContext, case: AsyncCase, directory: str) -> AsyncSta
         after,
         full_state(straight.model, straight.optimizer),
     )
+
+
+@dataclass(frozen=True)
+class AsyncFailure:
+    raised: str | None
+    """What the async save raised: at the call, or from its future's ``result()`` (None:
+    neither)."""
+    earlier: FullState
+    """The state the earlier checkpoint holds."""
+    loaded: FullState
+    """The earlier checkpoint loaded into a fresh model after the failed save."""
+
+
+def _failing_writer(ctx: RankContext, case: AsyncFailureCase, directory: str) -> FileSystemWriter:
+    if case.failure == "overwrite":
+        return FileSystemWriter(directory, overwrite=False)
+    return FailingWriter(os.path.join(directory, "failed"), fails=ctx.rank == case.failing_rank)
+
+
+def async_failure_on_rank(ctx: RankContext, case: AsyncFailureCase, directory: str) -> AsyncFailure:
+    """Train, ``dcp.save`` into ``directory``, train a step, ``dcp.async_save`` through the
+    case's failing writer and wait for it; then load ``directory`` into a fresh model."""
+    train = case.case.train
+    sharded = build(ctx, case.case)
+    sharded.train(ctx, 0, train.steps)
+    save(sharded, directory)
+    earlier = full_state(sharded.model, sharded.optimizer)
+    sharded.train(ctx, train.steps, train.steps + 1)
+    stager = kit.stager(()) if case.default_stager else None
+    raised = None
+    try:
+        response = dcp_async_save(
+            _state(sharded, ()),
+            storage_writer=_failing_writer(ctx, case, directory),
+            process_group=kit.checkpoint_group(),
+            async_stager=stager,
+        )
+        if isinstance(response, AsyncSaveResponse):  # DefaultStager's async staging
+            response.staging_completion.result()
+            response = response.upload_completion
+        response.result()
+    except (Exception, CheckpointException) as exc:  # a BaseException, wrapping every rank's
+        raised = f"{type(exc).__name__}: {exc}"
+    finally:
+        if stager is not None:
+            stager.close()
+    fresh = build(ctx, case.case, fresh=True)
+    load(fresh, directory)
+    return AsyncFailure(raised, earlier, full_state(fresh.model, fresh.optimizer))
 
 
 # --- stateful ------------------------------------------------------------------------------

@@ -134,7 +134,11 @@ def strict_set_on_rank(ctx: RankContext, case: StrictSetCase) -> StrictSet:
     saved = values_of(source)
     model = model_of(ctx, case.loading)
     fresh = values_of(model)
-    options = StateDictOptions(full_state_dict=case.full, strict=case.strict)
+    options = StateDictOptions(
+        full_state_dict=case.full, strict=case.strict, broadcast_from_rank0=case.broadcast
+    )
+    if case.broadcast and ctx.rank != 0:
+        state_dict = {}  # broadcast_from_rank0's docs: rank 0 holds the full state dict
     try:
         if case.joint:
             keys = set_state_dict(
