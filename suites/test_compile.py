@@ -61,7 +61,7 @@ from suites.checks.compile import CompiledRun, compiled_program_on_rank
 from suites.checks.compile_training import CompiledTraining, compiled_training_on_rank
 from suites.checks.programs import ProgramRun, Reference, program_on_one_device
 from suites.checks.programs_compare import PROGRAM_RTOL, assert_program_matches
-from suites.checks.training import assert_trained_like
+from suites.checks.training import PARITY_TOLERANCE, PARITY_WHY, assert_trained_like
 
 # inductor's generated C++ kernels may fuse and vectorise what eager computes op by op:
 # the same terms summed in another order, a few ulps of the largest term (the program
@@ -100,12 +100,6 @@ def test_compiled_programs_match_eager_inductor(world: World, data: st.DataObjec
     _check_compiled(world, data, "inductor")
 
 
-# The parity properties' tolerance against one device (suites/test_optim_parity.py): each
-# data-parallel rank's gradients are averaged, where one device takes one global mean.
-TRAINING_TOLERANCE = (1e-10, 1e-12)
-TRAINING_WHY = "per-rank gradients are averaged in another order than one global mean"
-
-
 @pytest.mark.spec("compile.training.blocks_match_eager")
 @costly(50)  # ci: 2 examples a world size; new graphs about 10 s at world size 2
 @given(data=st.data())
@@ -127,15 +121,15 @@ def test_compiled_blocks_train_like_eager_and_one_device(world: World, data: st.
     reference = reference_run(case.training)
     parity.note_reference(describe_reference(case.training))
     runs = world.run(compiled_training_on_rank, case)
-    rtol, atol = TRAINING_TOLERANCE
+    rtol, atol = PARITY_TOLERANCE[case.training.dtype]
     eager = [run.eager for run in runs]
-    assert_trained_like(reference, eager, case.training, rtol=rtol, atol=atol, why=TRAINING_WHY)
+    assert_trained_like(reference, eager, case.training, rtol=rtol, atol=atol, why=PARITY_WHY)
     if _refused(runs, case.backend):
         return
     compiled = [run.compiled for run in runs if run.compiled is not None]
     for rank, (got, want) in enumerate(zip(compiled, eager, strict=True)):
         _assert_trained_alike(got, want, rank)
-    assert_trained_like(reference, compiled, case.training, rtol=rtol, atol=atol, why=TRAINING_WHY)
+    assert_trained_like(reference, compiled, case.training, rtol=rtol, atol=atol, why=PARITY_WHY)
 
 
 def _refused(runs: list[CompiledTraining], backend: str) -> bool:

@@ -33,6 +33,8 @@ from harness.torchkit.optim import describe_reference, reference_run
 from specs.clipping import clipped_by_norm, clipped_by_value, total_norm
 from suites.checks.ddp_hooks import assert_within_rounding, hooked_grads_on_rank, rounded_mean
 from suites.checks.training import (
+    PARITY_TOLERANCE,
+    PARITY_WHY,
     assert_same_training,
     assert_trained_like,
     checkpointed_dropout_on_rank,
@@ -55,8 +57,6 @@ PROPERTY = property_settings()
 # whole percent). float32 Adam divides each gradient element by its own magnitude (+eps):
 # an element the clipping made tiny turns an ulp of its gradient into up to 1.2e-4 of the
 # step (measured, fsdp_tp, clip 0.05), hence 1e-3.
-TOLERANCE = {"float64": (1e-10, 1e-12), "float32": (1e-3, 1e-6)}  # (rtol, atol)
-WHY = "per-rank gradients are averaged in another order than one global mean"
 
 MIXED_WHY = "float32 rounding of the average and of vectorised kernels differs by ulps"
 
@@ -89,8 +89,8 @@ def _check(world: World, case: ParityCase) -> None:
     reference = reference_run(case)
     parity.note_reference(describe_reference(case))
     trained = world.run(train_on_rank, case)
-    rtol, atol = TOLERANCE[case.dtype]
-    assert_trained_like(reference, trained, case, rtol=rtol, atol=atol, why=WHY)
+    rtol, atol = PARITY_TOLERANCE[case.dtype]
+    assert_trained_like(reference, trained, case, rtol=rtol, atol=atol, why=PARITY_WHY)
 
 
 @pytest.mark.spec("optim.fsdp.parity")

@@ -36,6 +36,10 @@ from harness.torchkit.training import (
 )
 from specs.optimizers import OptimizerModel
 
+PARITY_TOLERANCE = {"float64": (1e-10, 1e-12), "float32": (1e-3, 1e-6)}  # (rtol, atol)
+"""A parallel training run against one device's (``assert_trained_like``)."""
+PARITY_WHY = "per-rank gradients are averaged in another order than one global mean"
+
 
 def train_on_rank(ctx: RankContext, case: ParityCase) -> Trained:
     """Train under ``case.layout``; this rank's losses and every full parameter."""
