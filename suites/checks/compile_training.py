@@ -12,10 +12,14 @@ from torch import nn
 from harness import RankContext
 from harness.cases.compile import CompiledTrainingCase
 from harness.torchkit.compile import BLOCK_PREFIX, BlockGraphs, compile_blocks, refusal_of
-from harness.torchkit.dtensor import full_array
 from harness.torchkit.models import build_mlp
-from harness.torchkit.optim import Trained, named_full_params
-from harness.torchkit.training import optimizer_for, parallelize, train_steps
+from harness.torchkit.optim import Trained
+from harness.torchkit.training import (
+    dtensor_full_params,
+    optimizer_for,
+    parallelize,
+    train_steps,
+)
 from suites.checks.training import train_on_rank
 
 
@@ -51,4 +55,4 @@ def compiled_training_on_rank(ctx: RankContext, case: CompiledTrainingCase) -> C
 
 def _params(model: nn.Module) -> dict[str, np.ndarray]:
     """Every full parameter by the eager model's name."""
-    return {n.replace(BLOCK_PREFIX, ""): full_array(p) for n, p in named_full_params(model)}
+    return {n.replace(BLOCK_PREFIX, ""): v for n, v in dtensor_full_params(model).items()}
