@@ -16,7 +16,7 @@ from harness.cases.load_options import (
     CoordinationCase,
     RankLocalReshardCase,
 )
-from harness.cases.state_dict import ReshardCase
+from harness.cases.state_dict import ReshardCase, StateDictCase
 from harness.errors import check_int, require
 from harness.strategies._common import sampled
 from harness.strategies.state_dict import reshard_cases, state_dict_cases
@@ -66,11 +66,8 @@ def rank_local_no_dist_cases(world_size: int) -> st.SearchStrategy[CoordinationC
 
 @st.composite
 def _rank_local_no_dist_cases(draw: st.DrawFn, world_size: int) -> CoordinationCase:
-    save = draw(state_dict_cases(world_size, layouts=("fsdp",), steps=(0, 0)))
     # every rank holds rows of the first weight: none is left with an empty piece
-    dims = save.train.dims
-    dims = (dims[0], max(dims[1], world_size), *dims[2:])
-    save = replace(save, train=replace(save.train, dims=dims))
+    save = draw(_untrained_fsdp_cases(world_size, first_rows=world_size))
     load = replace(save, train=replace(save.train, seed=(save.train.seed + 1) % 2**32))
     return CoordinationCase(ReshardCase(save, load), "rank_local", "no_dist")
 
@@ -83,11 +80,18 @@ def rank_local_reshard_cases(world_size: int) -> st.SearchStrategy[RankLocalResh
 
 @st.composite
 def _rank_local_reshard_cases(draw: st.DrawFn, world_size: int) -> RankLocalReshardCase:
+    case = draw(_untrained_fsdp_cases(world_size, first_rows=2))
+    train = replace(case.train, mesh_shape=(world_size,))
+    return RankLocalReshardCase(replace(case, train=train, reshard_after_forward=None))
+
+
+@st.composite
+def _untrained_fsdp_cases(draw: st.DrawFn, world_size: int, first_rows: int) -> StateDictCase:
+    """An untrained fsdp MLP whose first Linear has ``first_rows`` output features or more."""
     case = draw(state_dict_cases(world_size, layouts=("fsdp",), steps=(0, 0)))
     dims = case.train.dims
-    dims = (dims[0], max(dims[1], 2), *dims[2:])
-    train = replace(case.train, dims=dims, mesh_shape=(world_size,))
-    return RankLocalReshardCase(replace(case, train=train, reshard_after_forward=None))
+    dims = (dims[0], max(dims[1], first_rows), *dims[2:])
+    return replace(case, train=replace(case.train, dims=dims))
 
 
 @st.composite
