@@ -45,69 +45,83 @@ def needs_seed(profile: str) -> bool:
     return not settings.get_profile(profile).derandomize
 
 
-def property_settings() -> settings:
-    """Settings for a property over a World: the loaded profile's, without hypothesis'
+def property_settings(*, whole_at: int = 2) -> settings:
+    """Settings for a property over a World: the loaded profile's examples at world size
+    ``whole_at`` and a share of them at the others (``examples_at``), without hypothesis'
     per-example deadline, which would misfire on the first example of a World (process-group
-    and mesh creation); World.run enforces its own.
+    and mesh creation); World.run enforces its own. ``whole_at`` is 2 unless a runner serves
+    the property at one world size only.
 
     A settings object takes what it leaves unset from the profile loaded when it is made, and
     this module is imported before the run's profile is loaded: a suite makes its settings at
     import (``PROPERTY = property_settings()``), never this module."""
-    return settings(deadline=None)
-
-
-def costly(cost: int, *, whole_at: int = 2) -> settings:
-    """Settings for a property whose examples cost about ``cost`` times a placement
-    example's: the loaded profile's example budget buys ``1/cost`` of the examples (at least
-    2) at world size ``whole_at``, and a share of those at the others (``examples_at``), so
-    a profile bounds the time of a run rather than its example count. ``whole_at`` is 2
-    (where ``mutate`` catches most of the catalogue's faults first, world size 1 rarely
-    showing a distributed fault) unless a runner serves the property at one world size only.
-    No per-example deadline: World.run enforces its own (the first example of a World builds
-    it).
-
-    How a suite picks ``cost`` for its costliest properties: so that the property's ci run
-    over world sizes 1-4 takes about 5 s on the 2-core CI machine, but never fewer than 8
-    examples, nor fewer than twice the examples ``mutate`` needed to catch a fault at that
-    spec; a property whose ci run took 5-8 s at the full budget and where ``mutate`` catches
-    no fault, or one within 3 examples, takes half (``costly(2)``). The suite states the
-    measured time an example next to its ``costly``."""
-    check_int("cost", cost)
     check_int("whole_at", whole_at)
-    budget = settings.default.max_examples if settings.default else 100
-    made = settings(deadline=None, max_examples=max(2, budget // cost))
-    _COSTLY.append((made, whole_at))
+    made = settings(deadline=None)
+    _SHARED.append((made, whole_at))
     return made
 
 
-_COSTLY: list[tuple[settings, int]] = []
-"""Every settings object ``costly`` made, with its ``whole_at``: the properties whose
-examples a World's size divides (``examples_at``)."""
+def costly(cost: int, *, whole_at: int = 2, needs: int = 0) -> settings:
+    """Settings for a property whose examples cost about ``cost`` times a placement
+    example's: at the wide profiles (``goes_wide``) ``1/cost`` of the loaded profile's example
+    budget, at the others half of that (at least 2), at world size ``whole_at``, and a share
+    of those at the others (``examples_at``), so a profile bounds the time of a run rather
+    than its example count. ``needs``: the most examples ``mutate`` has needed at ``whole_at``
+    to catch a fault through this property, which the budget always buys twice over (never
+    more than the profile's budget). ``whole_at`` is 2 (where ``mutate`` catches most of the
+    catalogue's faults first, world size 1 rarely showing a distributed fault) unless a
+    runner serves the property at one world size only. No per-example deadline: World.run
+    enforces its own (the first example of a World builds it).
+
+    Why half below the wide profiles: README's run (the ci profile) took 9 minutes on the
+    2-core machine at ``1/cost``, against a target of 5, and the faults ``mutate`` recorded
+    met their first failing example within 4 examples at world size 2 but for the properties
+    that state ``needs``; the wide profiles keep the whole share.
+
+    How a suite picks ``cost`` for its costliest properties: so that the property's ci run
+    over world sizes 1-4 takes about 5 s on the 2-core CI machine at ``1/cost``, but never
+    fewer than 8 examples there; a property whose ci run took 5-8 s at the full budget and
+    where ``mutate`` catches no fault, or one within 3 examples, takes half
+    (``costly(2)``). The suite states the measured time an example next to its ``costly``."""
+    check_int("cost", cost)
+    check_int("whole_at", whole_at)
+    check_int("needs", needs, minimum=0)
+    budget = settings.default.max_examples if settings.default else 100
+    share = budget // cost if budget >= WIDE_BUDGET else budget // (2 * cost)
+    made = settings(deadline=None, max_examples=min(budget, max(2, share, 2 * needs)))
+    _SHARED.append((made, whole_at))
+    return made
+
+
+_SHARED: list[tuple[settings, int]] = []
+"""Every settings object ``costly`` and ``property_settings`` made, with its ``whole_at``: the
+properties whose examples a World's size divides (``examples_at``)."""
 
 
 def whole_at(made: settings) -> int | None:
     """The world size where a property with settings ``made`` runs its whole budget; None:
-    ``made`` did not come from ``costly``."""
-    return next((size for costly_made, size in _COSTLY if costly_made is made), None)
+    ``made`` came from neither ``costly`` nor ``property_settings`` (a suite's own settings,
+    run as they are)."""
+    return next((size for shared, size in _SHARED if shared is made), None)
 
 
 def examples_at(world_size: int, max_examples: int, whole_at: int = 2) -> int:
-    """A costly property's examples at ``world_size``, of its ``max_examples`` at world size
-    ``whole_at``: all of them there, a quarter at world size 1, half at 2 and beyond; never
-    fewer than 2 (nor more than the budget).
+    """A property's examples at ``world_size``, of its ``max_examples`` at world size
+    ``whole_at``: all of them there, a quarter at world sizes 1 and 3, half at 2 and from 4
+    on; never fewer than 2 (nor more than the budget).
 
     Why: rank threads share one interpreter, so an example at world size n costs about n
-    times a rank's work (at the ci profile, 216 s of test time at world size 1, 395 at 2,
-    537 at 3 and 782 at 4), while the other worlds are there for what only they show: one
+    times a rank's work (at the ci profile, 108 s of test time at world size 1, 281 at 2,
+    235 at 3 and 386 at 4), while the other worlds are there for what only they show: one
     rank's degenerate mesh (the catalogue's faults that show there show at 2 as well), the
-    uneven pieces of 3, the 2-D meshes from 4. ``mutate`` at the same profile measures what
-    the shares still catch: a quarter at 4 lost a fault only a 2-D mesh shows, which
-    optim.fsdp.mixed_precision met at its sixth example there; a quarter at 1 lost one that
-    optim.knobs.checkpointing_dropout, which rank threads serve at world size 1 only, met at
-    its third."""
+    uneven split of 3 (every example there draws one), the 2-D meshes from 4. ``mutate`` at
+    the same profile measures what the shares still catch: a quarter at 4 lost a fault only
+    a 2-D mesh shows, which optim.fsdp.mixed_precision met at its sixth example there; a
+    quarter at 1 lost one that optim.knobs.checkpointing_dropout, which rank threads serve at
+    world size 1 only, met at its third (it runs its whole budget there: ``whole_at``)."""
     check_int("world_size", world_size)
     check_int("max_examples", max_examples)
-    divisor = 1 if world_size == whole_at else 4 if world_size == 1 else 2
+    divisor = 1 if world_size == whole_at else 4 if world_size in (1, 3) else 2
     return min(max_examples, max(2, max_examples // divisor))
 
 

@@ -67,7 +67,8 @@ from suites.checks.programs_compare import assert_program_matches
 
 PROPERTY = property_settings()
 # A program runs up to 8 steps and a backward pass: each example costs several op examples.
-PROGRAM = costly(1)
+# inplace_op_redistributes_self met at the 89th example (at world size 2)
+PROGRAM = costly(1, needs=89)
 
 
 @pytest.mark.spec("placements.mesh.constructions")

@@ -47,7 +47,9 @@ from suites.checks.state_dict import assert_loaded_like, assert_same_state
 
 # Each example builds, trains and reloads sharded models (and some write checkpoints):
 # about ten times the cost of a placement example.
-PROPERTY = costly(10)
+PROPERTY = costly(10, needs=3)  # dcp.load_size_mismatch_filled: set_state_dict, 3rd
+# state_dict.resume.equivalence met dcp.reader_byte_ranges_misaligned at its 8th example
+RESUME = costly(10, needs=8)
 
 
 def _reference_keys(case: StateDictCase) -> list[str]:
@@ -552,7 +554,7 @@ def _refused_alike(step: str, errors: list[str | None], case: DcpLayoutCase) -> 
 
 
 @pytest.mark.spec("state_dict.resume.equivalence")
-@PROPERTY
+@RESUME
 @given(data=st.data())
 def test_resumed_training_ends_where_uninterrupted_training_does(
     world: World, worlds: Worlds, data: st.DataObject

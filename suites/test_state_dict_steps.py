@@ -34,7 +34,7 @@ from suites.checks.state_dict import assert_same_state
 # 0.21 / 0.31 s on 1 / 2 / 3 / 4 rank threads. A quarter of the profile's examples (25 per
 # world size under ci, about 20 s in all) reaches every point of every step, with every
 # optimizer (stateless SGD and a tensor lr among them), several times.
-PROPERTY = costly(4)
+PROPERTY = costly(4, needs=7)  # init_optim_state_zeroes_tensor_lr: within 7 examples
 
 
 def _check_mid_step(world: World, case: MidStepCase) -> None:

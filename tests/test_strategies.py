@@ -143,25 +143,40 @@ def test_sampled_keeps_bools_and_ints_apart(data):
 def test_costly_properties_buy_a_share_of_the_profiles_examples():
     from hypothesis import settings
 
-    from harness.profiles import costly
+    from harness.profiles import WIDE_BUDGET, costly
 
     budget = settings.default.max_examples
-    assert costly(4).max_examples == max(2, budget // 4)
+    share = budget // 4 if budget >= WIDE_BUDGET else budget // 8
+    assert costly(4).max_examples == max(2, share)
     assert costly(10**6).max_examples == 2
     assert costly(4).deadline is None
     with pytest.raises(ValueError, match=r"cost=0 must be a positive int"):
         costly(0)
+    with pytest.raises(ValueError, match=r"needs=-1 must be an int >= 0"):
+        costly(4, needs=-1)
+
+
+def test_a_costly_property_buys_twice_the_examples_mutate_needed_within_the_budget():
+    from hypothesis import settings
+
+    from harness.profiles import costly
+
+    budget = settings.default.max_examples
+    assert costly(10**6, needs=1).max_examples == min(budget, 2)
+    assert costly(10**6, needs=budget).max_examples == budget  # never above the budget
+    assert costly(1, needs=0).max_examples == costly(1).max_examples
 
 
 def test_a_costly_property_runs_its_budget_at_world_size_2_and_a_share_elsewhere():
-    from harness.profiles import costly, examples_at, whole_at
+    from harness.profiles import costly, examples_at, property_settings, whole_at
 
-    assert [examples_at(size, 100) for size in (1, 2, 3, 4, 8, 64)] == [25, 100, 50, 50, 50, 50]
-    assert [examples_at(size, 8) for size in (1, 2, 3, 4)] == [2, 8, 4, 4]
+    assert [examples_at(size, 100) for size in (1, 2, 3, 4, 8, 64)] == [25, 100, 25, 50, 50, 50]
+    assert [examples_at(size, 8) for size in (1, 2, 3, 4)] == [2, 8, 2, 4]
     assert [examples_at(size, 2) for size in (1, 2, 3, 4)] == [2, 2, 2, 2]
     assert [examples_at(size, 1) for size in (1, 2, 4)] == [1, 1, 1]  # never above the budget
-    assert [examples_at(size, 8, whole_at=1) for size in (1, 2, 3)] == [8, 4, 4]
+    assert [examples_at(size, 8, whole_at=1) for size in (1, 2, 3)] == [8, 4, 2]
     assert whole_at(costly(3)) == 2 and whole_at(costly(3, whole_at=1)) == 1
+    assert whole_at(property_settings()) == 2 and whole_at(property_settings(whole_at=1)) == 1
     assert whole_at(settings(max_examples=3)) is None
     with pytest.raises(ValueError, match=r"world_size=0 must be a positive int"):
         examples_at(0, 10)

@@ -131,12 +131,12 @@ def observing(item: pytest.Item) -> Any:
 
 @contextlib.contextmanager
 def _item_settings(item: pytest.Item, test: state.TestState) -> Iterator[None]:
-    """The test's settings for this item: a costly property's share of its examples at the
-    item's world size (``profiles.examples_at``); a known deviation (strict xfail, or flaky:
-    met by some examples) unshrunk, since it needs one failing example for its verdict and
-    its expectation already names the smallest: shrinking it again cost hundreds of
-    examples per test (a third of a clean CPU run's time; on processes a reset of the ranks
-    each; on the local runner at world size 64, minutes)."""
+    """The test's settings for this item: a property's share of its examples at the item's
+    world size (``profiles.examples_at``: settings of ``costly`` or ``property_settings``); a
+    known deviation (strict xfail, or flaky: met by some examples) unshrunk, since it needs
+    one failing example for its verdict and its expectation already names the smallest:
+    shrinking it again cost hundreds of examples per test (a third of a clean CPU run's time;
+    on processes a reset of the ranks each; on the local runner at world size 64, minutes)."""
     function: Any = getattr(item, "obj", None)
     # @given keeps the test's settings on the test itself; there is no public way to
     # change them once @settings has been applied.
