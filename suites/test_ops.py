@@ -50,6 +50,11 @@ COMMON_OPS = (
 )
 OP_KEYS = op_db.op_keys() if goes_wide() else COMMON_OPS
 
+# Below the wide profiles every op runs at world size 2 (an uneven split, Partial values of two
+# ranks) and at one of 1, 3 and 4 by its place in OP_KEYS: a third of the ops at each, so the
+# suite costs half as much and each world size still meets every op family.
+ROTATED_WORLD_SIZES = (1, 3, 4)
+
 # Layouts an example runs the op in (each its own sample and mesh), in one call of the World:
 # a rule's fault shows in some layouts only, and a call costs more than a layout in it.
 LAYOUTS = 3
@@ -70,6 +75,13 @@ WHY = "the kernel runs on pieces, and sums over pieces add in another order"
 CONTRACTIONS = ("mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "einsum", "tensordot")
 CONTRACTION_TOLERANCE = {"float32": (1e-5, 1e-4), "float64": (1e-7, 1e-7)}
 CONTRACTION_WHY = "products summed over a contracted dim split between ranks add in another order"
+# The gradient of an argument broadcast to a larger output is the output's gradient summed
+# over the broadcast dims; a piece's kernel sums in another order (it vectorises by the
+# tensor's shape), and the terms may cancel: pow's exponent gradient in float32 sums ten terms
+# up to 1.4e4 down to -19.17, where two orders (each within 2.3 ulp of the float64 sum's terms)
+# differ by 1.9e-5 of the result; 1.2e-4 is one float32 rounding of such a term.
+SUMMED_GRADIENT_TOLERANCE = {"float32": (2e-4, 1e-4), "float64": (1e-7, 1e-7)}
+SUMMED_GRADIENT_WHY = "a broadcast argument's gradient sums terms that may cancel, in another order"
 REFUSED = "OpRefused: "
 SIMULATED = "simulated in one thread"
 DTENSOR_REFUSALS = ("Sharding propagation failed", "does not have a sharding strategy registered")
@@ -80,6 +92,7 @@ DTENSOR_REFUSALS = ("Sharding propagation failed", "does not have a sharding str
 @OPS
 @given(data=st.data())
 def test_op_on_dtensors_matches_one_device(world: World, op: str, data: st.DataObject) -> None:
+    _skip_unless_rotated_here(op, world.world_size)
     dtypes = op_db.dtypes_of(op)
     if not usable_samples(op_db.arguments(op, dtypes[0])):
         pytest.skip(f"{op}: no sample whose tensors can all be DTensors (dense, one at least)")
@@ -118,6 +131,18 @@ def test_op_on_dtensors_matches_one_device(world: World, op: str, data: st.DataO
             for rank, run in enumerate(runs):
                 _assert_run(run, reference, case, rank)
         return
+
+
+def _skip_unless_rotated_here(op: str, world_size: int) -> None:
+    if goes_wide() or world_size not in ROTATED_WORLD_SIZES:
+        return
+    turn = ROTATED_WORLD_SIZES[OP_KEYS.index(op) % len(ROTATED_WORLD_SIZES)]
+    if world_size != turn:
+        pytest.skip(
+            f"{op} runs at world sizes 2 and {turn} below the wide profiles (each of "
+            f"{', '.join(map(str, ROTATED_WORLD_SIZES))} takes a third of the ops); "
+            "--profile nightly or report runs every op at every world size"
+        )
 
 
 def _assert_backward_refusals(results: list[OpRun], reference: OpRun, op: str) -> None:
@@ -165,13 +190,21 @@ def _assert_run(run: OpRun, reference: OpRun, case: OpInfoCase, rank: int) -> No
         if what != "output" and (run.backward_refused or reference.backward_refused):
             continue
         assert_equal_values(len(got), len(want), what=f"number of {what}s on rank {rank}")
+        largest = max(
+            (o.values.size for o in reference.outputs if isinstance(o, TensorValue)), default=0
+        )
         for number, (leaf, expected) in enumerate(zip(got, want, strict=True)):
             who = f"{what} {number} of {case.op} on rank {rank}"
-            _assert_leaf(leaf, expected, case, who, compare_values=not random)
+            summed = what != "output" and _smaller(expected, largest)
+            _assert_leaf(leaf, expected, case, who, compare_values=not random, summed=summed)
+
+
+def _smaller(leaf: Leaf, size: int) -> bool:
+    return isinstance(leaf, TensorValue) and leaf.values.size < size
 
 
 def _assert_leaf(
-    leaf: Leaf, expected: Leaf, case: OpInfoCase, who: str, *, compare_values: bool
+    leaf: Leaf, expected: Leaf, case: OpInfoCase, who: str, *, compare_values: bool, summed: bool
 ) -> None:
     __tracebackhide__ = True
     if not isinstance(expected, TensorValue):
@@ -185,10 +218,11 @@ def _assert_leaf(
     if not compare_values:
         return
     assert leaf.full is not None
-    _assert_values(leaf.full, expected.values, case, f"full_tensor() of {who}")
+    _assert_values(leaf.full, expected.values, case, f"full_tensor() of {who}", summed=summed)
     piece = expected_piece(leaf, expected.values, case.mesh_shape)
     if piece is not None:
-        _assert_values(leaf.local, piece, case, f"to_local() of {who} {list(leaf.placements)}")
+        where = f"to_local() of {who} {list(leaf.placements)}"
+        _assert_values(leaf.local, piece, case, where, summed=summed)
 
 
 def _assert_placements_fit(view: DTensorView, who: str) -> None:
@@ -210,7 +244,9 @@ def _spelled(leaf: Leaf) -> str | None:
     return leaf
 
 
-def _assert_values(actual: np.ndarray, expected: np.ndarray, case: OpInfoCase, what: str) -> None:
+def _assert_values(
+    actual: np.ndarray, expected: np.ndarray, case: OpInfoCase, what: str, *, summed: bool = False
+) -> None:
     __tracebackhide__ = True
     if expected.dtype.kind not in "fc":
         assert_array_equal(actual, expected, what=what)
@@ -218,6 +254,9 @@ def _assert_values(actual: np.ndarray, expected: np.ndarray, case: OpInfoCase, w
     contraction = case.op in CONTRACTIONS or case.op.startswith(("linalg.", "nn.functional."))
     rtol, atol = (CONTRACTION_TOLERANCE if contraction else TOLERANCE)[case.dtype]
     why = CONTRACTION_WHY if contraction else WHY
+    if summed:
+        rtol, atol = (max(rtol, bound) for bound in SUMMED_GRADIENT_TOLERANCE[case.dtype])
+        why = SUMMED_GRADIENT_WHY
     parts = (("real", np.real), ("imag", np.imag)) if expected.dtype.kind == "c" else (("", None),)
     for name, part in parts:
         got, want = (actual, expected) if part is None else (part(actual), part(expected))
