@@ -107,21 +107,23 @@ def whole_at(made: settings) -> int | None:
 
 def examples_at(world_size: int, max_examples: int, whole_at: int = 2) -> int:
     """A property's examples at ``world_size``, of its ``max_examples`` at world size
-    ``whole_at``: all of them there, a quarter at world sizes 1 and 3, half at 2 and from 4
-    on; never fewer than 2 (nor more than the budget).
+    ``whole_at``: all of them there, an eighth at world size 1, half at 2, a quarter at 3, a
+    third from 4 on; never fewer than 2 (nor more than the budget).
 
     Why: rank threads share one interpreter, so an example at world size n costs about n
     times a rank's work (at the ci profile, 108 s of test time at world size 1, 281 at 2,
-    235 at 3 and 386 at 4), while the other worlds are there for what only they show: one
-    rank's degenerate mesh (the catalogue's faults that show there show at 2 as well), the
-    uneven split of 3 (every example there draws one), the 2-D meshes from 4. ``mutate`` at
-    the same profile measures what the shares still catch: a quarter at 4 lost a fault only
-    a 2-D mesh shows, which optim.fsdp.mixed_precision met at its sixth example there; a
-    quarter at 1 lost one that optim.knobs.checkpointing_dropout, which rank threads serve at
-    world size 1 only, met at its third (it runs its whole budget there: ``whole_at``)."""
+    235 at 3 and 386 at 4, when they ran a quarter, all, half and half), while the other
+    worlds are there for what only they show: one rank's degenerate mesh (the catalogue's
+    faults that show there show at 2 as well), the uneven split of 3 (every example there
+    draws one), the 2-D meshes from 4. ``mutate`` at the same profile measures what the
+    shares still catch: a quarter at 4 lost a fault only a 2-D mesh shows, which
+    optim.fsdp.mixed_precision met at its sixth example there (its ``needs`` keeps twice that
+    at 4 now); a quarter at 1 lost one that optim.knobs.checkpointing_dropout, which rank
+    threads serve at world size 1 only, met at its third (it runs its whole budget there:
+    ``whole_at``)."""
     check_int("world_size", world_size)
     check_int("max_examples", max_examples)
-    divisor = 1 if world_size == whole_at else 4 if world_size in (1, 3) else 2
+    divisor = 1 if world_size == whole_at else {1: 8, 2: 2, 3: 4}.get(world_size, 3)
     return min(max_examples, max(2, max_examples // divisor))
 
 

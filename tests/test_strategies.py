@@ -170,8 +170,8 @@ def test_a_costly_property_buys_twice_the_examples_mutate_needed_within_the_budg
 def test_a_costly_property_runs_its_budget_at_world_size_2_and_a_share_elsewhere():
     from harness.profiles import costly, examples_at, property_settings, whole_at
 
-    assert [examples_at(size, 100) for size in (1, 2, 3, 4, 8, 64)] == [25, 100, 25, 50, 50, 50]
-    assert [examples_at(size, 8) for size in (1, 2, 3, 4)] == [2, 8, 2, 4]
+    assert [examples_at(size, 100) for size in (1, 2, 3, 4, 8, 64)] == [12, 100, 25, 33, 33, 33]
+    assert [examples_at(size, 12) for size in (1, 2, 3, 4)] == [2, 12, 3, 4]
     assert [examples_at(size, 2) for size in (1, 2, 3, 4)] == [2, 2, 2, 2]
     assert [examples_at(size, 1) for size in (1, 2, 4)] == [1, 1, 1]  # never above the budget
     assert [examples_at(size, 8, whole_at=1) for size in (1, 2, 3)] == [8, 4, 2]
