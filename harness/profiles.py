@@ -106,10 +106,15 @@ def whole_at(made: settings) -> int | None:
     return next((size for shared, size in _SHARED if shared is made), None)
 
 
-def examples_at(world_size: int, max_examples: int, whole_at: int = 2) -> int:
+def examples_at(
+    world_size: int, max_examples: int, whole_at: int = 2, run_sizes: tuple[int, ...] = ()
+) -> int:
     """A property's examples at ``world_size``, of its ``max_examples`` at world size
     ``whole_at``: all of them there, an eighth at world size 1, half at 2, a quarter at 3, a
-    third from 4 on; never fewer than 2 (nor more than the budget).
+    third from 4 on; never fewer than 2 (nor more than the budget). A run whose world sizes
+    (``run_sizes``, when given) lack ``whole_at`` runs the whole budget at its smallest
+    instead: the shares stand for what world size ``whole_at`` draws, and a run of world size
+    3 alone (a vendor's backend checked there) would otherwise draw a quarter of it.
 
     Why: rank threads share one interpreter, so an example at world size n costs about n
     times a rank's work (at the ci profile, 108 s of test time at world size 1, 281 at 2,
@@ -124,6 +129,8 @@ def examples_at(world_size: int, max_examples: int, whole_at: int = 2) -> int:
     ``whole_at``)."""
     check_int("world_size", world_size)
     check_int("max_examples", max_examples)
+    if run_sizes and whole_at not in run_sizes:
+        whole_at = min(run_sizes)
     divisor = 1 if world_size == whole_at else {1: 8, 2: 2, 3: 4}.get(world_size, 3)
     return min(max_examples, max(2, max_examples // divisor))
 

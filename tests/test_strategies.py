@@ -175,6 +175,9 @@ def test_a_costly_property_runs_its_budget_at_world_size_2_and_a_share_elsewhere
     assert [examples_at(size, 2) for size in (1, 2, 3, 4)] == [2, 2, 2, 2]
     assert [examples_at(size, 1) for size in (1, 2, 4)] == [1, 1, 1]  # never above the budget
     assert [examples_at(size, 8, whole_at=1) for size in (1, 2, 3)] == [8, 4, 2]
+    # a run without world size 2 runs the whole budget at its smallest world size
+    assert [examples_at(size, 12, run_sizes=(3, 4)) for size in (3, 4)] == [12, 4]
+    assert examples_at(3, 12, run_sizes=(2, 3)) == 3
     assert whole_at(costly(3)) == 2 and whole_at(costly(3, whole_at=1)) == 1
     assert whole_at(property_settings()) == 2 and whole_at(property_settings(whole_at=1)) == 1
     assert whole_at(settings(max_examples=3)) is None

@@ -146,7 +146,9 @@ class DistconfSession:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Any:
-        return (yield from recording.observing(item))
+        torchrun = self.run.torchrun
+        sizes = (torchrun.world_size,) if torchrun is not None else self.run.world_sizes
+        return (yield from recording.observing(item, sizes))
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:

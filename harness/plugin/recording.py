@@ -120,17 +120,20 @@ def reproduce_command(
     return " ".join(parts)
 
 
-def observing(item: pytest.Item) -> Any:
+def observing(item: pytest.Item, run_sizes: tuple[int, ...]) -> Any:
     """Wraps a test's call (a hook wrapper's body): its parity metrics, its examples, its
-    first failure; a known deviation runs unshrunk."""
+    first failure; a known deviation runs unshrunk. ``run_sizes``: the session's world
+    sizes."""
     test = state.of(item)
-    with parity.collecting() as log, _item_settings(item, test):
+    with parity.collecting() as log, _item_settings(item, test, run_sizes):
         test.parity = log
         return (yield from _counting_examples(item, test))
 
 
 @contextlib.contextmanager
-def _item_settings(item: pytest.Item, test: state.TestState) -> Iterator[None]:
+def _item_settings(
+    item: pytest.Item, test: state.TestState, run_sizes: tuple[int, ...]
+) -> Iterator[None]:
     """The test's settings for this item: a property's share of its examples at the item's
     world size (``profiles.examples_at``: settings of ``costly`` or ``property_settings``); a
     known deviation (strict xfail, or flaky: met by some examples) unshrunk, since it needs
@@ -149,7 +152,7 @@ def _item_settings(item: pytest.Item, test: state.TestState) -> Iterator[None]:
     whole_at = profiles.whole_at(current)
     if key is not None and whole_at is not None:
         changes["max_examples"] = profiles.examples_at(
-            key.world_size, current.max_examples, whole_at
+            key.world_size, current.max_examples, whole_at, run_sizes
         )
     if test.expectation is not None and test.expectation["status"] in ("xfail", "flaky"):
         changes["phases"] = tuple(phase for phase in current.phases if phase is not Phase.shrink)
