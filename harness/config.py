@@ -236,6 +236,13 @@ class RunConfig:
         return spelled
 
     @property
+    def session_world_sizes(self) -> tuple[int, ...]:
+        """The world sizes the session's Worlds take: the torchrun World's size under
+        torchrun (fixed for the session), else ``world_sizes``."""
+        torchrun = self.torchrun
+        return (torchrun.world_size,) if torchrun is not None else self.world_sizes
+
+    @property
     def world_sizes_text(self) -> str:
         """``(1, 2, 3)`` -> ``"1,2,3"``: how the options spell it."""
         return ",".join(map(str, self.world_sizes))

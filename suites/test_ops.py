@@ -183,6 +183,9 @@ def _refused_kind(summary: str) -> tuple[int, str]:
 def _assert_run(run: OpRun, reference: OpRun, case: OpInfoCase, rank: int) -> None:
     __tracebackhide__ = True
     random = op_db.is_random(case.op, case.dtype, case.sample)
+    largest = max(
+        (o.values.size for o in reference.outputs if isinstance(o, TensorValue)), default=0
+    )
     for what, got, want in (
         ("output", run.outputs, reference.outputs),
         ("gradient of tensor argument", run.grads, reference.grads),
@@ -190,9 +193,6 @@ def _assert_run(run: OpRun, reference: OpRun, case: OpInfoCase, rank: int) -> No
         if what != "output" and (run.backward_refused or reference.backward_refused):
             continue
         assert_equal_values(len(got), len(want), what=f"number of {what}s on rank {rank}")
-        largest = max(
-            (o.values.size for o in reference.outputs if isinstance(o, TensorValue)), default=0
-        )
         for number, (leaf, expected) in enumerate(zip(got, want, strict=True)):
             who = f"{what} {number} of {case.op} on rank {rank}"
             summed = what != "output" and _smaller(expected, largest)

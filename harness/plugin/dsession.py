@@ -146,9 +146,7 @@ class DistconfSession:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Any:
-        torchrun = self.run.torchrun
-        sizes = (torchrun.world_size,) if torchrun is not None else self.run.world_sizes
-        return (yield from recording.observing(item, sizes))
+        return (yield from recording.observing(item, self.run.session_world_sizes))
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:

@@ -146,10 +146,8 @@ class SessionWorlds:
         """The session's Worlds by size (on an accelerator, the sizes this process has
         devices for)."""
         run = self.run
-        sizes = run.world_sizes
-        if run.torchrun is not None:
-            sizes = (run.torchrun.world_size,)
-        elif run.device != "cpu":
+        sizes = run.session_world_sizes
+        if run.torchrun is None and run.device != "cpu":
             held = gpus.gpus_held()
             sizes = tuple(s for s in sizes if gpus.gpus_for_world(run.runner, s) <= held)
             if not sizes:
